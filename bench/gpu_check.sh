@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One pass over everything that needs the GPU: GPU tests, kernel and model benchmarks, and an
+# end-to-end server check. Run on the GPU host from the repository root:
+#   bash bench/gpu_check.sh [STAGE ...]      stages: env tests kernels kernels-full model e2e
+# Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
+# so one hang cannot eat the whole run.
+set -uo pipefail
+out=${OUT:-bench/results/gpu_check}
+mkdir -p "$out"
+log="$out/gpu_check.log"
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(env tests e2e model kernels)
+export PYTHONUNBUFFERED=1 FUSEDSERVE_TUNE_CACHE=${FUSEDSERVE_TUNE_CACHE:-/tmp/fusedserve-tune}
+
+stage() {  # stage NAME SECONDS CMD...: run one stage, log it, never stop the others
+    local name=$1 limit=$2; shift 2
+    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$log"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+}
+
+e2e() {  # a real server on the GPU, asked over HTTP, stopped by its PID (bounded: 240 s to get ready)
+    local port=18000
+    python3 -m service --device cuda --port "$port" > /tmp/fusedserve-e2e.log 2>&1 &
+    local pid=$!
+    local ready=0
+    for _ in $(seq 1 240); do
+        if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/v2/health/ready').status_code != 200)" 2>/dev/null; then
+            ready=1; break
+        fi
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 1
+    done
+    if [ "$ready" = 1 ]; then
+        python3 - "$port" "$out/e2e_kernel_stats.json" <<'PY'
+import json, sys, httpx
+from sklearn.datasets import load_digits
+port, dest = sys.argv[1], sys.argv[2]
+base = f"http://127.0.0.1:{port}"
+digits = load_digits()
+x, y = digits.data[:200].tolist(), digits.target[:200].tolist()
+r = httpx.post(f"{base}/infer", json={"model": "digits", "inputs": x}, timeout=30)
+r.raise_for_status()
+pred = [max(range(10), key=row.__getitem__) for row in r.json()["outputs"]]
+acc = sum(p == t for p, t in zip(pred, y)) / len(y)
+print(f"e2e: {len(y)} digits over POST /infer on the GPU, accuracy {acc:.3f}")
+stats = httpx.get(f"{base}/kernel-stats", timeout=10).json()
+json.dump(stats, open(dest, "w"), indent=2)
+print(json.dumps(stats)[:1500])
+assert acc > 0.95, acc
+PY
+    else
+        echo "e2e: server never became ready"
+    fi
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+    echo "--- server log (tail)"; tail -n 40 /tmp/fusedserve-e2e.log
+}
+
+for s in "${stages[@]}"; do
+    case $s in
+        env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
+        tests) stage tests 420 python3 -m pytest -m gpu -q -rs --no-header -p no:cacheprovider ;;
+        e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
+        model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
+        kernels) stage kernels 420 python3 bench/kernels.py --quick --out "$out" ;;
+        kernels-full) stage kernels-full 570 python3 bench/kernels.py --out "$out" ;;
+        *) echo "unknown stage: $s (env tests kernels kernels-full model e2e)" | tee -a "$log" ;;
+    esac
+done
