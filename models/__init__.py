@@ -1,0 +1,16 @@
+"""MLP models built from fused linear layers: definition, loading, running, the shipped repository."""
+
+from models.loading import DEFAULT_REPOSITORY, load_model, load_repository, save_model
+from models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_REPOSITORY",
+    "DTYPES",
+    "MLP",
+    "FusedLinear",
+    "MLPConfig",
+    "load_model",
+    "load_repository",
+    "save_model",
+]

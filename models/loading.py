@@ -1,0 +1,143 @@
+"""Load and save model directories (``config.json`` + ``model.safetensors``) and repositories.
+
+A model directory holds the ``MLPConfig`` as JSON and every tensor of the model (layer weights and
+biases, the input normalization) in one safetensors file. A repository is a folder of model
+directories; the directory name is the model's name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from models.mlp import BACKENDS, MLP, MLPConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+DEFAULT_REPOSITORY = Path(__file__).parent / "repository"
+
+
+def resolve_device(device=None) -> torch.device:
+    """``None`` means CUDA when available, else CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device name (use 'cpu' or 'cuda')") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available; use 'cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    return device
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """``None`` means "triton" on CUDA and "torch" on CPU."""
+    if backend is None:
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend 'triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before starting, or use backend 'torch'"
+        )
+    return backend
+
+
+def read_config(directory: Path) -> MLPConfig:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"model config not found: {path} (a model directory needs "
+                                f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    try:
+        return MLPConfig.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def read_tensors(directory: Path, model: MLP) -> dict[str, torch.Tensor]:
+    """The safetensors file's tensors, checked against ``model``'s names and shapes."""
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"model weights not found: {path}")
+    try:
+        tensors = load_file(path, device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{path} does not match {CONFIG_FILE}: missing tensors {missing}, "
+                         f"unexpected tensors {extra}")
+    for name, want in expected.items():
+        got = tensors[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(got.shape)}, "
+                             f"{CONFIG_FILE} implies {tuple(want.shape)}")
+        if not got.is_floating_point():
+            raise ValueError(f"{path}: tensor {name!r} has dtype {got.dtype}, expected floats")
+    return tensors
+
+
+def load_model(path, device=None, backend=None) -> MLP:
+    """Load one model directory; returns the ``MLP`` in eval mode on ``device``.
+
+    ``device``: None = CUDA if available else CPU. ``backend``: "triton" (default on CUDA) or
+    "torch" (default on CPU); "triton" on CPU needs ``TRITON_INTERPRET=1``.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory not found: {directory}")
+    device = resolve_device(device)
+    backend = resolve_backend(backend, device)
+    config = read_config(directory)
+    model = MLP(config, backend=backend, device="meta", name=directory.name)
+    tensors = read_tensors(directory, model)
+    model = MLP(config, backend=backend, device=device, name=directory.name)
+    # Weights take the config's dtype; the normalization buffers stay float32 (see MLP).
+    model.load_state_dict({name: t.to(model.state_dict()[name].dtype) for name, t in tensors.items()})
+    log.info("loaded model %r from %s: widths %s, %s, device %s, backend %s",
+             model.name, directory, config.widths, config.dtype, device, backend)
+    return model.eval().requires_grad_(False)
+
+
+def save_model(model: MLP, path) -> Path:
+    """Write ``model`` as a model directory at ``path`` (created if needed); returns the path."""
+    if not isinstance(model, MLP):
+        raise TypeError(f"model must be a models.MLP, got {type(model).__name__}")
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    save_file(tensors, directory / WEIGHTS_FILE)
+    (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    return directory
+
+
+def load_repository(path=None, device=None, backend=None) -> dict[str, MLP]:
+    """Load every model directory (a subfolder holding ``config.json``) of a repository folder.
+
+    ``path`` None = the shipped ``DEFAULT_REPOSITORY``. Returns ``{name: model}`` sorted by name.
+    """
+    root = Path(DEFAULT_REPOSITORY if path is None else path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model repository not found: {root}")
+    directories = sorted(d for d in root.iterdir() if (d / CONFIG_FILE).is_file())
+    if not directories:
+        raise ValueError(f"model repository {root} holds no model: expected subfolders with "
+                         f"{CONFIG_FILE} and {WEIGHTS_FILE}")
+    return {d.name: load_model(d, device=device, backend=backend) for d in directories}

@@ -1,0 +1,172 @@
+"""The MLP served by fusedserve: a config, a fused linear layer and the model built from them.
+
+Definition only: loading lives in ``models.loading`` and running (buckets, CUDA graphs, timing)
+in ``models.runner``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BACKENDS = ("triton", "torch")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# The torch reference of every activation a model may name. The triton backend additionally
+# needs the name in ``kernels.ACTIVATIONS`` (checked when a layer is built).
+TORCH_ACTIVATIONS = {
+    "none": lambda y: y,
+    "relu": F.relu,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """Shape of an MLP: ``in -> hidden[0] -> ... -> hidden[-1] -> out``.
+
+    Every layer but the last applies ``activation``; the last one is linear (logits/regression).
+    ``dtype`` names the dtype of weights and activations ("float32", "float16", "bfloat16").
+    Inputs are normalized inside the model (``(x - input_shift) * input_scale``, per feature),
+    so clients send raw feature values.
+    """
+
+    in_features: int
+    hidden_features: tuple[int, ...]
+    out_features: int
+    activation: str = "relu"
+    dtype: str = "float32"
+    _keys = ("in_features", "hidden_features", "out_features", "activation", "dtype")
+
+    def __post_init__(self):
+        for name in ("in_features", "out_features"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        hidden = self.hidden_features
+        if isinstance(hidden, (str, bytes)) or not isinstance(hidden, (list, tuple)):
+            raise ValueError(f"hidden_features must be a list of positive integers, got {hidden!r}")
+        for width in hidden:
+            if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+                raise ValueError(f"hidden_features must hold positive integers, got {width!r}")
+        object.__setattr__(self, "hidden_features", tuple(hidden))
+        if self.activation not in TORCH_ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(TORCH_ACTIVATIONS)}, got {self.activation!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Feature widths from input to output: ``(in, *hidden, out)``."""
+        return (self.in_features, *self.hidden_features, self.out_features)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["hidden_features"] = list(self.hidden_features)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MLPConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(cls._keys))
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; allowed keys are {list(cls._keys)}")
+        missing = [k for k in ("in_features", "hidden_features", "out_features") if k not in data]
+        if missing:
+            raise ValueError(f"missing config keys {missing}")
+        return cls(**data)
+
+
+class FusedLinear(nn.Module):
+    """``nn.Linear`` with the activation fused: ``y = act(x @ weight^T + bias)``.
+
+    Same parameters as ``nn.Linear`` (weight ``[out, in]``, bias ``[out]``). Backend "triton" runs
+    ``kernels.fused_linear`` (bias and activation in the GEMM epilogue); "torch" is the plain
+    reference ``act(F.linear(x, weight, bias))``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, activation: str = "relu",
+                 backend: str = "torch", device=None, dtype=None):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if activation not in TORCH_ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(TORCH_ACTIVATIONS)}, got {activation!r}"
+            )
+        if backend == "triton":
+            # Imported here so the torch backend never needs Triton (nor its interpreter set-up).
+            import kernels
+
+            if activation not in kernels.ACTIVATIONS:
+                raise ValueError(
+                    f"activation {activation!r} has no Triton kernel; "
+                    f"kernels.ACTIVATIONS has {sorted(kernels.ACTIVATIONS)}"
+                )
+            self._fused_linear = kernels.fused_linear
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = activation
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # nn.Linear's initialization
+        bound = in_features**-0.5
+        nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, in_features] -> [M, out_features]
+        if self.backend == "triton":
+            return self._fused_linear(x, self.weight, self.bias, self.activation)
+        return TORCH_ACTIVATIONS[self.activation](F.linear(x, self.weight, self.bias))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"activation={self.activation}, backend={self.backend}")
+
+
+class MLP(nn.Module):
+    """Input normalization followed by fused linear layers; the last layer has no activation."""
+
+    def __init__(self, config: MLPConfig, backend: str = "torch", device=None, name: str = "mlp"):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.name = name
+        widths = config.widths
+        last = len(widths) - 2
+        self.layers = nn.ModuleList(
+            FusedLinear(k, n, config.activation if i < last else "none", backend,
+                        device=device, dtype=config.torch_dtype)
+            for i, (k, n) in enumerate(zip(widths[:-1], widths[1:]))
+        )
+        # float32 whatever the model dtype: raw inputs may be large before normalization.
+        self.register_buffer("input_shift", torch.zeros(config.in_features, device=device))
+        self.register_buffer("input_scale", torch.ones(config.in_features, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_shift.device
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, in] raw values, any float dtype -> [M, in] normalized, in the model dtype
+        return ((x.float() - self.input_shift) * self.input_scale).to(self.config.torch_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.normalize(x)  # [M, in]
+        for layer in self.layers:
+            x = layer(x)  # [M, hidden[i]] ... then [M, out]
+        return x
