@@ -1,0 +1,176 @@
+"""Dynamic batching for one model: requests queue up, batches close at ``max_batch_size`` rows or
+``max_delay_ms`` after the oldest queued request, and one worker thread runs them one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from service.errors import BatchFailed, DeadlineExceeded, NotReady, QueueFull
+
+
+class Runner(Protocol):
+    name: str
+
+    def run(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class BatchRecorder(Protocol):
+    def record_batch(self, model: str, rows: int, waits: list[float], compute_s: float) -> None: ...
+
+
+@dataclass(slots=True)
+class _Pending:
+    x: np.ndarray  # [rows, in] float32
+    future: asyncio.Future
+    enqueued: float  # time.monotonic()
+
+
+class Batcher:
+    def __init__(self, runner: Runner, *, max_batch_size: int, max_delay_ms: float,
+                 max_queue_rows: int, recorders: tuple[BatchRecorder, ...] = ()):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_delay_ms < 0:
+            raise ValueError(f"max_delay_ms must be >= 0, got {max_delay_ms}")
+        if max_queue_rows < max_batch_size:
+            raise ValueError(f"max_queue_rows ({max_queue_rows}) must be >= max_batch_size "
+                             f"({max_batch_size})")
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.max_delay_s = max_delay_ms / 1000.0
+        self.max_queue_rows = max_queue_rows
+        self._recorders = recorders
+        self._queue: deque[_Pending] = deque()
+        self._queued_rows = 0
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        # One thread: the runner computes one batch at a time.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"run-{runner.name}")
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("batcher already started")
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.runner.name}")
+
+    async def stop(self) -> None:
+        """Refuse new requests, answer every queued one, then end the loop and the worker thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+
+    async def submit(self, x: np.ndarray, timeout_s: float | None = None) -> np.ndarray:
+        """Queue ``x`` ([rows, in] float32) and wait for its ``[rows, out]`` output."""
+        if self._stopping:
+            raise NotReady(f"model {self.runner.name!r} is shutting down; retry on another replica")
+        rows = x.shape[0]
+        if self._queued_rows + rows > self.max_queue_rows:
+            raise QueueFull(
+                f"model {self.runner.name!r} has {self._queued_rows} rows queued (limit "
+                f"{self.max_queue_rows}); retry shortly", headers={"Retry-After": "1"})
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(x, future, time.monotonic()))
+        self._queued_rows += rows
+        self._wake.set()
+        try:
+            # wait_for cancels the future on timeout or when the caller is cancelled; the loop then
+            # drops the request if its batch has not started.
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"no answer from model {self.runner.name!r} within {timeout_s * 1000:.0f} ms; "
+                "raise the timeout or retry when the server is less loaded") from None
+
+    async def _loop(self) -> None:
+        idle = True
+        while True:
+            if not self._queue:
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                idle = True
+                continue
+            if not idle:
+                # The model just finished a batch: let this one fill up to the oldest's deadline.
+                await self._fill(self._queue[0].enqueued + self.max_delay_s)
+            batch = self._take()
+            idle = False
+            if batch:
+                await self._execute(batch)
+
+    async def _fill(self, deadline: float) -> None:
+        while self._queued_rows < self.max_batch_size and not self._stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _take(self) -> list[_Pending]:
+        """Pop requests in order while they fit; a request is never split across batches."""
+        batch, rows = [], 0
+        while self._queue:
+            item = self._queue[0]
+            n = item.x.shape[0]
+            if item.future.done():  # timed out or its client went away: never computed
+                self._queue.popleft()
+                self._queued_rows -= n
+                continue
+            if rows + n > self.max_batch_size:
+                break
+            self._queue.popleft()
+            self._queued_rows -= n
+            batch.append(item)
+            rows += n
+        return batch
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        started = time.monotonic()
+        waits = [started - item.enqueued for item in batch]
+        x = np.concatenate([item.x for item in batch]) if len(batch) > 1 else batch[0].x
+        rows = x.shape[0]
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            out = await loop.run_in_executor(self._executor, self._run, x)
+        except Exception as exc:  # every waiting request learns what failed; the loop keeps serving
+            error = BatchFailed(f"model {self.runner.name!r} failed on a batch of {rows} rows: "
+                                f"{type(exc).__name__}: {exc}")
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(error)
+            return
+        compute_s = time.perf_counter() - t0
+        for recorder in self._recorders:
+            recorder.record_batch(self.runner.name, rows, waits, compute_s)
+        start = 0
+        for item in batch:
+            stop = start + item.x.shape[0]
+            if not item.future.done():
+                item.future.set_result(out[start:stop])
+            start = stop
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        out = self.runner.run(torch.from_numpy(x))
+        if out.ndim != 2 or out.shape[0] != x.shape[0]:
+            raise RuntimeError(f"runner returned shape {tuple(out.shape)} for {x.shape[0]} input rows; "
+                               "expected one output row per input row")
+        return out.numpy()

@@ -1,0 +1,56 @@
+"""Service settings: every field is a CLI flag and a ``FUSEDSERVE_<NAME>`` environment variable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _shipped_repository() -> Path:
+    # Imported here, not at module level, so building settings never pulls in torch before it is needed.
+    import models
+
+    return Path(models.DEFAULT_REPOSITORY)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FUSEDSERVE_", protected_namespaces=())
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model_repository: Path = Field(default_factory=_shipped_repository)
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:<index>"
+    backend: str = "auto"  # "auto", "triton" or "torch"
+    max_batch_size: int = Field(64, ge=1)
+    max_delay_ms: float = Field(2.0, ge=0.0)
+    # Rows waiting in one model's queue before new requests get 503 + Retry-After.
+    max_queue_rows: int = Field(4096, ge=1)
+    # Whole-request deadline; a client's X-Request-Timeout-Ms header may only shorten it.
+    request_timeout_ms: float = Field(30_000.0, gt=0.0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    # Rows one request may carry; None means max_batch_size, since a request is never split.
+    max_rows_per_request: int | None = Field(None, ge=1)
+    # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
+    drain_grace_s: float = Field(2.0, ge=0.0)
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        ok = value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+        if not ok:
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:<index>, got {value!r}")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        if value not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend must be auto, triton or torch, got {value!r}")
+        return value
+
+    @property
+    def rows_per_request(self) -> int:
+        limit = self.max_rows_per_request or self.max_batch_size
+        return min(limit, self.max_batch_size)

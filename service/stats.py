@@ -1,0 +1,151 @@
+"""One stats object for /kernel-stats and /v2/models/{m}/stats: per-layer kernel timings, batch sizes,
+queue waits and per-model request counts. The runner thread writes, request handlers read: a lock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernels.timing import LayerTiming
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _percentiles(samples: deque) -> tuple[float, float]:
+    if not samples:
+        return 0.0, 0.0
+    p50, p99 = np.percentile(np.fromiter(samples, dtype=np.float64), [50, 99])
+    return float(p50), float(p99)
+
+
+@dataclass
+class _LayerSeries:
+    samples: deque
+    count: int = 0
+    total: float = 0.0
+
+
+@dataclass
+class _ModelSeries:
+    waits: deque
+    batch_sizes: Counter = field(default_factory=Counter)
+    batches: int = 0
+    rows: int = 0
+    compute_s: float = 0.0
+    wait_total_s: float = 0.0
+    wait_count: int = 0
+    success: int = 0
+    success_s: float = 0.0
+    failures: int = 0
+    failure_s: float = 0.0
+    last_inference_ms: int = 0
+
+
+class ServiceStats:
+    """Aggregates ``LayerTiming`` records per (model, layer, M, dtype, backend, kernel, config)."""
+
+    def __init__(self, reservoir: int = 1024):
+        if reservoir < 1:
+            raise ValueError(f"reservoir must be >= 1, got {reservoir}")
+        self._reservoir = reservoir
+        self._lock = threading.Lock()
+        self._layers: dict[tuple, _LayerSeries] = {}
+        self._models: dict[str, _ModelSeries] = {}
+        self._since = time.time()
+
+    def _model(self, name: str) -> _ModelSeries:
+        series = self._models.get(name)
+        if series is None:
+            series = self._models[name] = _ModelSeries(waits=deque(maxlen=self._reservoir))
+        return series
+
+    def record_layer(self, timing: LayerTiming) -> None:
+        key = (timing.model, timing.layer, timing.M, timing.N, timing.K, timing.dtype,
+               timing.backend, timing.kernel, timing.config)
+        with self._lock:
+            series = self._layers.get(key)
+            if series is None:
+                series = self._layers[key] = _LayerSeries(samples=deque(maxlen=self._reservoir))
+            series.count += 1
+            series.total += timing.seconds
+            series.samples.append(timing.seconds)
+
+    def record_batch(self, model: str, rows: int, waits: list[float], compute_s: float) -> None:
+        """One batch ran: its row count, each request's queue wait and the runner's wall time."""
+        with self._lock:
+            series = self._model(model)
+            series.batch_sizes[rows] += 1
+            series.batches += 1
+            series.rows += rows
+            series.compute_s += compute_s
+            series.waits.extend(waits)
+            series.wait_total_s += sum(waits)
+            series.wait_count += len(waits)
+            series.last_inference_ms = int(time.time() * 1000)
+
+    def record_request(self, model: str, ok: bool, seconds: float) -> None:
+        with self._lock:
+            series = self._model(model)
+            if ok:
+                series.success += 1
+                series.success_s += seconds
+            else:
+                series.failures += 1
+                series.failure_s += seconds
+
+    def reset(self) -> None:
+        with self._lock:
+            self._layers.clear()
+            self._models.clear()
+            self._since = time.time()
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            layers = [self._layer_row(key, s) for key, s in self._layers.items()]
+            models = {name: self._model_row(s) for name, s in self._models.items()}
+            since = self._since
+        layers.sort(key=lambda row: (row["model"], row["layer"], row["M"]))
+        return {"since_unix_s": since, "layers": layers, "models": models}
+
+    def model_counts(self, model: str) -> dict:
+        """Raw counters of one model, for the Open Inference Protocol statistics route."""
+        with self._lock:
+            s = self._models.get(model)
+            if s is None:
+                s = _ModelSeries(waits=deque())
+            return {"success": s.success, "success_s": s.success_s, "failures": s.failures,
+                    "failure_s": s.failure_s, "rows": s.rows, "batches": s.batches,
+                    "compute_s": s.compute_s, "wait_total_s": s.wait_total_s,
+                    "wait_count": s.wait_count, "last_inference_ms": s.last_inference_ms,
+                    "batch_sizes": dict(s.batch_sizes)}
+
+    @staticmethod
+    def _layer_row(key: tuple, s: _LayerSeries) -> dict:
+        model, layer, m, n, k, dtype, backend, kernel, config = key
+        mean = s.total / s.count
+        p50, p99 = _percentiles(s.samples)
+        nbytes = (m * k + n * k + n + m * n) * ELEMENT_BYTES.get(dtype, 4)
+        return {
+            "model": model, "layer": layer, "M": m, "N": n, "K": k, "dtype": dtype,
+            "backend": backend, "kernel": kernel, "config": config, "calls": s.count,
+            "total_s": s.total, "mean_s": mean, "p50_s": p50, "p99_s": p99,
+            # Achieved rates from the mean time: 2*M*N*K flops, and every operand touched once.
+            "tflops": 2.0 * m * n * k / mean / 1e12 if mean > 0 else 0.0,
+            "gbps": nbytes / mean / 1e9 if mean > 0 else 0.0,
+        }
+
+    @staticmethod
+    def _model_row(s: _ModelSeries) -> dict:
+        p50, p99 = _percentiles(s.waits)
+        return {
+            "batches": s.batches, "rows": s.rows, "compute_s": s.compute_s,
+            "batch_size_histogram": {str(k): v for k, v in sorted(s.batch_sizes.items())},
+            "queue_wait": {"count": s.wait_count,
+                           "mean_s": s.wait_total_s / s.wait_count if s.wait_count else 0.0,
+                           "p50_s": p50, "p99_s": p99},
+            "requests": {"success": s.success, "failed": s.failures},
+        }

@@ -1,0 +1,185 @@
+"""The batcher alone: a real asyncio queue and a fake runner that records every batch it gets."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from service.batcher import Batcher
+from service.errors import BatchFailed, DeadlineExceeded, QueueFull
+from service.stats import ServiceStats
+
+IN, OUT = 3, 2
+
+
+class FakeRunner:
+    """out[i] = [sum(x[i]), rows in the batch]; optionally blocks each batch on a gate."""
+
+    name = "fake"
+
+    def __init__(self, fail=False, gate: threading.Event | None = None):
+        self.batches: list[int] = []
+        self.fail = fail
+        self.gate = gate
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            self.gate.wait(timeout=5)
+        self.batches.append(x.shape[0])
+        if self.fail:
+            raise RuntimeError("boom in layer 1")
+        return torch.stack([x.sum(1), torch.full((x.shape[0],), float(x.shape[0]))], dim=1)
+
+
+def rows(n, start=0.0):
+    return np.arange(start, start + n * IN, dtype=np.float32).reshape(n, IN)
+
+
+async def started(runner, **kw):
+    kw = {"max_batch_size": 8, "max_delay_ms": 50.0, "max_queue_rows": 64} | kw
+    stats = ServiceStats()
+    b = Batcher(runner, recorders=(stats,), **kw)
+    b.start()
+    return b, stats
+
+
+async def test_idle_model_runs_a_lone_request_at_once():
+    runner = FakeRunner()
+    b, _ = await started(runner, max_delay_ms=10_000.0)
+    t0 = time.monotonic()
+    out = await b.submit(rows(1))
+    # A 10 s delay would be waited only when filling behind a running batch, never when idle.
+    assert time.monotonic() - t0 < 2.0, "an idle batcher waited for max_delay_ms"
+    np.testing.assert_array_equal(out, [[3.0, 1.0]])
+    await b.stop()
+
+
+async def test_requests_queued_while_busy_share_one_batch_in_order():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, stats = await started(runner)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)  # the first batch is now blocked inside the runner
+    later = [asyncio.ensure_future(b.submit(rows(n, 100.0 * n))) for n in (1, 3, 2)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    outs = await asyncio.gather(first, *later)
+    assert runner.batches == [1, 6], f"batches were {runner.batches}"
+    for n, out in zip((1, 3, 2), outs[1:]):
+        np.testing.assert_array_equal(out[:, 0], rows(n, 100.0 * n).sum(1), err_msg=f"request of {n} rows")
+        assert out.shape == (n, OUT)
+    hist = stats.snapshot()["models"]["fake"]["batch_size_histogram"]
+    assert hist == {"1": 1, "6": 1}, hist
+    await b.stop()
+
+
+async def test_batch_closes_at_max_rows_and_never_splits_a_request():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner, max_batch_size=5)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)
+    later = [asyncio.ensure_future(b.submit(rows(n))) for n in (3, 3, 2, 1)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    await asyncio.gather(first, *later)
+    # 3 + 3 > 5: the second 3-row request waits whole (and keeps its place) for the next batch.
+    assert runner.batches == [1, 3, 5, 1], f"batches {runner.batches}"
+    await b.stop()
+
+
+async def test_delay_holds_a_batch_behind_a_busy_model_until_the_oldest_deadline():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner, max_delay_ms=300.0)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.02)
+    second = asyncio.ensure_future(b.submit(rows(1)))
+    gate.set()
+    await first
+    t0 = time.monotonic()
+    await asyncio.sleep(0.1)  # within the 300 ms window: a request sent now joins the same batch
+    third = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.gather(second, third)
+    assert runner.batches == [1, 2], f"batches {runner.batches}"
+    # Upper bound is loose (2-core CI): the point is that it did not wait forever.
+    assert time.monotonic() - t0 < 2.0
+    await b.stop()
+
+
+async def test_failed_batch_answers_every_request_and_keeps_serving():
+    gate = threading.Event()
+    runner = FakeRunner(fail=True, gate=gate)
+    b, _ = await started(runner)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)
+    later = [asyncio.ensure_future(b.submit(rows(2))) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    results = await asyncio.gather(first, *later, return_exceptions=True)
+    for r in results:
+        assert isinstance(r, BatchFailed), f"got {r!r}"
+        assert "boom in layer 1" in r.message and "fake" in r.message
+    runner.fail = False
+    np.testing.assert_array_equal(await b.submit(rows(1)), [[3.0, 1.0]])
+    await b.stop()
+
+
+async def test_wrong_output_rows_fail_the_batch():
+    class Short(FakeRunner):
+        def run(self, x):
+            return super().run(x)[:-1]
+
+    b, _ = await started(Short())
+    with pytest.raises(BatchFailed, match="one output row per input row"):
+        await b.submit(rows(3))
+    await b.stop()
+
+
+async def test_queue_cap_answers_503_with_retry_after():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner, max_batch_size=4, max_queue_rows=4)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)
+    waiting = asyncio.ensure_future(b.submit(rows(4)))
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFull) as info:
+        await b.submit(rows(1))
+    assert info.value.headers["Retry-After"] == "1"
+    gate.set()
+    await asyncio.gather(first, waiting)
+    await b.stop()
+
+
+async def test_timed_out_request_is_never_computed():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)
+    with pytest.raises(DeadlineExceeded, match="within 50 ms"):
+        await b.submit(rows(3), timeout_s=0.05)
+    gate.set()
+    await first
+    await b.submit(rows(2))
+    assert runner.batches == [1, 2], f"the timed-out 3-row request ran: {runner.batches}"
+    await b.stop()
+
+
+async def test_stop_answers_queued_requests():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(b.submit(rows(2)))
+    await asyncio.sleep(0.01)
+    stopping = asyncio.ensure_future(b.stop())
+    gate.set()
+    await stopping
+    assert (await queued).shape == (2, OUT)
+    assert (await first).shape == (1, OUT)
