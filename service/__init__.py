@@ -1,0 +1,1 @@
+"""The fusedserve HTTP service: app factory, batcher, routers, CLI."""

@@ -1,0 +1,111 @@
+"""The app factory: lifespan (load, warm up, batch, drain), error handlers, routers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from service.batcher import Batcher
+from service.errors import ServiceError
+from service.metrics import Metrics
+from service.middleware import RequestIdMiddleware
+from service.routers import health, infer, metrics, stats, v2
+from service.settings import Settings
+from service.state import ModelInfo, ServiceState
+from service.stats import ServiceStats
+from service.timing import LayerSinks
+
+log = logging.getLogger("fusedserve")
+
+
+def _load_runners(settings: Settings, sink: LayerSinks) -> list:
+    import models
+
+    device = None if settings.device == "auto" else settings.device
+    backend = None if settings.backend == "auto" else settings.backend
+    loaded = models.load_repository(settings.model_repository, device=device, backend=backend)
+    return [models.ModelRunner(m, max_batch_size=settings.max_batch_size, timing_sink=sink)
+            for m in loaded.values()]
+
+
+async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
+    try:
+        for runner in runners:
+            seconds = await asyncio.to_thread(runner.warmup)
+            log.info("warmed up %r: %s", runner.name, seconds)
+    except Exception as exc:  # readiness reports it; the process stays up to say why
+        log.exception("warm-up failed")
+        state.startup_error = f"{type(exc).__name__}: {exc}"
+        return
+    # Warm-up launches (autotuning, graph capture) are not traffic: never count them.
+    state.stats.reset()
+    settings = state.settings
+    for runner in runners:
+        batcher = Batcher(runner, max_batch_size=settings.max_batch_size, max_delay_ms=settings.max_delay_ms,
+                          max_queue_rows=settings.max_queue_rows, recorders=(state.stats, state.metrics))
+        batcher.start()
+        state.batchers[runner.name] = batcher
+    state.serving = True
+    log.info("ready: %s", sorted(state.batchers))
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    state: ServiceState = app.state.service
+    # Loading errors (missing repository, bad config) stop start-up at once with their message.
+    sink = LayerSinks((state.stats, state.metrics))
+    runners = await asyncio.to_thread(_load_runners, state.settings, sink)
+    for r in runners:
+        state.models[r.name] = ModelInfo(r.name, r.in_features, r.out_features, str(r.dtype).removeprefix("torch."),
+                                         r.backend, str(r.device))
+    # Warm-up (autotuning, CUDA graphs) can take a while: serve liveness meanwhile, readiness after.
+    warm = asyncio.create_task(_warm_up_and_serve(state, runners))
+    try:
+        yield
+    finally:
+        state.draining = True
+        if not warm.done():
+            warm.cancel()
+        await asyncio.gather(warm, return_exceptions=True)
+        state.serving = False
+        await asyncio.gather(*(b.stop() for b in state.batchers.values()))
+
+
+def _error_response(request: Request, status: int, message: str, headers=None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    state: ServiceState = request.app.state.service
+    state.metrics.record_request(getattr(request.state, "model", ""), exc.outcome)
+    return _error_response(request, exc.status, exc.message, exc.headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+    return _error_response(request, 422, "invalid request: " + "; ".join(parts))
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return _error_response(request, exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(title="fusedserve", version="0.1.0", lifespan=_lifespan,
+                  summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
+    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    app.state.service = state
+    app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining)
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    for module in (infer, v2, stats, health, metrics):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,60 @@
+"""``fusedserve serve`` and ``python -m service``: flags override FUSEDSERVE_* environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+# Flag name -> Settings field; a flag left unset keeps the environment's (or the default) value.
+_FLAGS = {
+    "--host": ("host", str, "interface to bind (default 127.0.0.1)"),
+    "--port": ("port", int, "TCP port (default 8000)"),
+    "--model-repository": ("model_repository", str, "folder of model directories (default: shipped)"),
+    "--device": ("device", str, "auto, cpu, cuda or cuda:<index>"),
+    "--backend": ("backend", str, "auto, triton or torch"),
+    "--max-batch-size": ("max_batch_size", int, "rows per batch (default 64)"),
+    "--max-delay-ms": ("max_delay_ms", float, "wait for a fuller batch behind a busy model (default 2)"),
+    "--max-queue-rows": ("max_queue_rows", int, "queued rows per model before 503 (default 4096)"),
+    "--request-timeout-ms": ("request_timeout_ms", float, "per-request deadline, 504 after (default 30000)"),
+    "--max-body-bytes": ("max_body_bytes", int, "request body cap, 413 above (default 8 MiB)"),
+    "--max-rows-per-request": ("max_rows_per_request", int, "rows per request (default max batch size)"),
+    "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusedserve", description="Serve MLPs on fused Triton kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model repository over HTTP")
+    for flag, (field, kind, help_text) in _FLAGS.items():
+        env = "FUSEDSERVE_" + field.upper()
+        serve.add_argument(flag, dest=field, type=kind, default=None, help=f"{help_text}; env {env}")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from service.app import create_app
+    from service.server import DrainingServer
+    from service.settings import Settings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {field: getattr(args, field) for field, _, _ in _FLAGS.values() if getattr(args, field) is not None}
+    settings = Settings(**overrides)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                            lifespan="on")
+    DrainingServer(config, app.state.service, settings.drain_grace_s).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+
+
+def main_serve(argv: list[str] | None = None) -> None:
+    """``python -m service [flags]``: the same as ``fusedserve serve [flags]``."""
+    main(["serve", *(argv or [])])

@@ -1,0 +1,76 @@
+"""Request bodies to float32 arrays: bounded reads, JSON without NaN/Infinity, rows checked in numpy
+(one array conversion, never one Python object per number)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from fastapi import Request
+
+from service.errors import BadInput, PayloadTooLarge
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing (413) one longer than ``limit`` bytes before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit; "
+                              "send fewer rows per request")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit; send fewer rows per request")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str):
+    raise BadInput(f"{name} is not a valid input value: send finite numbers only")
+
+
+def parse_json(body: bytes) -> object:
+    if not body:
+        raise BadInput("empty request body: send a JSON object")
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInput(f"request body is not valid JSON: {exc}") from None
+
+
+def check_rows(x: np.ndarray, where: str, in_features: int, max_rows: int) -> np.ndarray:
+    """``x`` as C-contiguous float32 [rows, in_features], or 422 saying what is wrong."""
+    if x.ndim != 2:
+        raise BadInput(f"{where} must be a list of rows ([rows, {in_features}]), got {x.ndim} dimension(s)")
+    rows, width = x.shape
+    if rows == 0:
+        raise BadInput(f"{where} is empty: send at least one row of {in_features} numbers")
+    if width != in_features:
+        raise BadInput(f"{where} rows have {width} values but the model expects {in_features} "
+                       "(in_features)")
+    if rows > max_rows:
+        raise BadInput(f"{where} has {rows} rows; at most {max_rows} per request: split it")
+    with np.errstate(over="ignore"):  # overflow to inf is reported just below, with its position
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise BadInput(f"{where}[{r}][{c}] is NaN, Infinity or outside float32 range: send finite numbers")
+    return x
+
+
+def rows_from_json(value: object, where: str, in_features: int, max_rows: int) -> np.ndarray:
+    """A JSON list of rows of numbers to float32 [rows, in_features]."""
+    if not isinstance(value, list):
+        raise BadInput(f"{where} must be a list of rows of numbers, got {type(value).__name__}")
+    if not value:
+        raise BadInput(f"{where} is empty: send at least one row of {in_features} numbers")
+    try:
+        x = np.array(value)
+    except ValueError:
+        raise BadInput(f"{where} must be a rectangular list of rows, all of {in_features} numbers") from None
+    if x.dtype.kind not in "iuf":
+        raise BadInput(f"{where} must hold only numbers (no strings, booleans, nulls or ragged rows), "
+                       f"each row {in_features} numbers")
+    return check_rows(x, where, in_features, max_rows)

@@ -1,0 +1,46 @@
+"""Prometheus metrics, in a registry owned by one app (two apps in one process never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kernels.timing import LayerTiming
+
+# Seconds: 50 us (one small GPU batch) to 10 s (a deadline).
+_TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 10)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("fusedserve_requests", "Inference requests by model and outcome",
+                                ["model", "outcome"], registry=r)
+        self.rows = Counter("fusedserve_rows", "Rows computed", ["model"], registry=r)
+        self.queue_wait = Histogram("fusedserve_queue_wait_seconds", "Time a request waited for its batch",
+                                    ["model"], buckets=_TIME_BUCKETS, registry=r)
+        self.compute = Histogram("fusedserve_batch_compute_seconds", "Runner wall time per batch",
+                                 ["model"], buckets=_TIME_BUCKETS, registry=r)
+        self.batch_rows = Histogram("fusedserve_batch_rows", "Rows per batch", ["model"],
+                                    buckets=_ROW_BUCKETS, registry=r)
+        self.kernel_seconds = Counter("fusedserve_kernel_seconds", "Device time of layer launches",
+                                      ["model", "layer", "kernel"], registry=r)
+        self.kernel_launches = Counter("fusedserve_kernel_launches", "Layer launches",
+                                       ["model", "layer", "kernel"], registry=r)
+
+    def record_layer(self, timing: LayerTiming) -> None:
+        labels = (timing.model, timing.layer, timing.kernel)
+        self.kernel_seconds.labels(*labels).inc(timing.seconds)
+        self.kernel_launches.labels(*labels).inc()
+
+    def record_batch(self, model: str, rows: int, waits: list[float], compute_s: float) -> None:
+        self.rows.labels(model).inc(rows)
+        self.batch_rows.labels(model).observe(rows)
+        self.compute.labels(model).observe(compute_s)
+        wait = self.queue_wait.labels(model)
+        for w in waits:
+            wait.observe(w)
+
+    def record_request(self, model: str, outcome: str) -> None:
+        self.requests.labels(model, outcome).inc()

@@ -1,0 +1,28 @@
+"""Liveness and readiness probes (Open Inference Protocol paths, plus /healthz and /readyz)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from service.state import ServiceState, get_state
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/v2/health/live", summary="The process is up")
+@router.get("/healthz", include_in_schema=False)
+async def live() -> dict:
+    return {"live": True}
+
+
+@router.get("/v2/health/ready", summary="Models are loaded and warm, and the server is not draining")
+@router.get("/readyz", include_in_schema=False)
+async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> JSONResponse:
+    if state.ready:
+        return JSONResponse({"ready": True})
+    reason = ("draining" if state.draining else
+              f"start-up failed: {state.startup_error}" if state.startup_error else "warming up")
+    return JSONResponse({"ready": False, "error": reason}, status_code=503, headers={"Retry-After": "1"})

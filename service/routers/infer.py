@@ -1,0 +1,39 @@
+"""POST /infer: {"model": optional, "inputs": [[...], ...]} -> {"model", "outputs"}."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from service.errors import BadInput
+from service.inference import infer
+from service.inputs import parse_json, read_body, rows_from_json
+from service.state import ServiceState, get_state
+
+router = APIRouter(tags=["inference"])
+
+_EXAMPLE = {"model": "digits", "inputs": [[0.0] * 4]}
+
+
+@router.post(
+    "/infer",
+    summary="Run rows through a model",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"example": _EXAMPLE}}}},
+)
+async def infer_route(request: Request, state: Annotated[ServiceState, Depends(get_state)]) -> Response:
+    body = parse_json(await read_body(request, state.settings.max_body_bytes))
+    if not isinstance(body, dict):
+        raise BadInput('body must be a JSON object like {"model": "digits", "inputs": [[...], ...]}')
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise BadInput(f'"model" must be a string, got {type(name).__name__}')
+    if "inputs" not in body:
+        raise BadInput('body has no "inputs": send {"inputs": [[...], ...]}, one list of numbers per row')
+    info = state.model(name)
+    request.state.model = info.name
+    x = rows_from_json(body["inputs"], "inputs", info.in_features, state.settings.rows_per_request)
+    out = await infer(state, request, info.name, x)
+    payload = {"model": info.name, "outputs": out.tolist()}
+    return Response(json.dumps(payload), media_type="application/json")

@@ -1,0 +1,58 @@
+"""What the routes share: settings, stats, metrics, one batcher per model, readiness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from service.batcher import Batcher
+from service.errors import BadInput, NotReady, UnknownModel
+from service.metrics import Metrics
+from service.settings import Settings
+from service.stats import ServiceStats
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    in_features: int
+    out_features: int
+    dtype: str
+    backend: str
+    device: str
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    stats: ServiceStats
+    metrics: Metrics
+    models: dict[str, ModelInfo] = field(default_factory=dict)
+    batchers: dict[str, Batcher] = field(default_factory=dict)
+    serving: bool = False  # models loaded, warmed up, batchers running
+    draining: bool = False  # SIGTERM seen: still answering, but readiness says no
+    startup_error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.serving and not self.draining
+
+    def model(self, name: str | None) -> ModelInfo:
+        """The named model; ``None`` picks the only one. Raises 404/422/503 with what to send."""
+        if not self.serving:
+            why = f"start-up failed: {self.startup_error}" if self.startup_error else \
+                "models are still loading or warming up"
+            raise NotReady(f"the server is not ready: {why}", headers={"Retry-After": "1"})
+        if name is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise BadInput(f"name the model: this server serves {sorted(self.models)}")
+        info = self.models.get(name)
+        if info is None:
+            raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(self.models)}")
+        return info
+
+
+def get_state(request: Request) -> ServiceState:
+    return request.app.state.service
