@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from itertools import chain
 
 import numpy as np
 from fastapi import Request
@@ -53,6 +54,8 @@ def check_rows(x: np.ndarray, where: str, in_features: int, max_rows: int) -> np
         raise BadInput(f"{where} has {rows} rows; at most {max_rows} per request: split it")
     with np.errstate(over="ignore"):  # overflow to inf is reported just below, with its position
         x = np.ascontiguousarray(x, dtype=np.float32)
+    if not x.flags.writeable:  # a view of the request bytes: torch wants memory it may write
+        x = x.copy()
     bad = ~np.isfinite(x)
     if bad.any():
         r, c = np.argwhere(bad)[0]
@@ -73,4 +76,7 @@ def rows_from_json(value: object, where: str, in_features: int, max_rows: int) -
     if x.dtype.kind not in "iuf":
         raise BadInput(f"{where} must hold only numbers (no strings, booleans, nulls or ragged rows), "
                        f"each row {in_features} numbers")
+    # numpy turns true/false into 1/0 silently; one C-level pass over the types catches them.
+    if x.ndim == 2 and bool in set(map(type, chain.from_iterable(value))):
+        raise BadInput(f"{where} must hold only numbers, not true/false")
     return check_rows(x, where, in_features, max_rows)
