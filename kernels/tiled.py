@@ -1,0 +1,105 @@
+"""Portable tiled GEMM with a fused bias + activation epilogue (any GPU Triton supports, and the
+interpreter).
+
+``Y[M, N] = act(X[M, K] @ W[N, K]^T + b[N])``: each program owns one ``BLOCK_M x BLOCK_N`` tile of Y,
+walks K in ``BLOCK_K`` steps with an fp32 accumulator and stores once. Tiles are visited in groups
+of ``GROUP_M`` rows so neighbouring programs share W tiles in L2.
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.activations import apply_activation
+
+NAME = "triton_tiled"
+
+# Candidates timed by the autotuner on a GPU (see kernels.autotune_cache).
+CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
+]
+# Under TRITON_INTERPRET=1 timing configs means nothing: one small config keeps CPU runs short.
+INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _tiled_linear_kernel(
+    # pointers
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    # sizes
+    M, N, K,
+    # row strides in elements (the column stride of x, W and Y is 1)
+    stride_xm, stride_wn, stride_ym,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32", only meaningful for fp32 inputs
+    UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M tile rows are swept column by column, reusing W tiles in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_rows
+    pid_n = (pid % num_in_group) // group_rows
+
+    # Rows/columns past the edge wrap around (modulo) so the loads need no M/N mask; the store
+    # below is masked, so the wrapped values are never written.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    # W is [N, K]; this reads the [BLOCK_K, BLOCK_N] tile of W^T.
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+
+    # Main loop: fp32 accumulator, K tail masked with zeros.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST_BF16:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n).to(tl.float32)
+        acc = acc + b[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16):
+    """Run the kernel on checked arguments: ``x [M, K]`` and ``weight [N, K]`` with unit column
+    stride, ``out [M, N]`` contiguous, M >= 1. ``config`` is one of ``CONFIGS``/``INTERPRET_CONFIG``.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    meta = dict(config)
+    grid = (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    _tiled_linear_kernel[grid](
+        x, weight, bias if bias is not None else out, out,
+        M, N, K,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, ACTIVATION=activation,
+        INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16,
+        **meta,
+    )
+    return out

@@ -1,0 +1,109 @@
+"""Hopper kernel for large batches: TMA tensor descriptors, a persistent grid, pipelined K loop.
+
+``Y[M, N] = act(X[M, K] @ W[N, K]^T + b[N])``. One program per SM walks output tiles in grouped
+order (GROUP_M tile rows share W tiles in L2); tiles are moved by TMA through host-side
+``TensorDescriptor``s, which also zero-fill loads past the edges and clip stores, so no masks are
+needed. Needs 16-byte aligned base pointers and row strides (``tma_compatible``).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.activations import apply_activation
+
+NAME = "triton_tma_persistent"
+
+CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+]
+# The interpreter runs descriptors too; a small tile keeps CPU tests fast.
+INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+# Programs the interpreter's "persistent" grid uses (it has no SMs); > 1 so tiles are shared out.
+_INTERPRET_PROGRAMS = 3
+
+
+def candidates(M, N, K):
+    return CONFIGS
+
+
+def tma_compatible(*tensors):
+    """TMA wants 16-byte aligned base addresses and row strides, and unit column strides."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
+@triton.jit
+def _tma_persistent_kernel(
+    # descriptors: x [M, K], w [N, K], y [M, N]; bias is a plain pointer
+    x_desc, w_desc, y_desc, b_ptr,
+    # sizes
+    M, N, K,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_in_group = GROUP_M * num_pid_n
+
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        # Grouped tile order (see kernels.tiled).
+        first_m = (tile // num_in_group) * GROUP_M
+        group_rows = min(num_pid_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % num_in_group) % group_rows) * BLOCK_M
+        off_n = ((tile % num_in_group) // group_rows) * BLOCK_N
+
+        # Main loop: TMA loads (zero-filled past the edges), fp32 accumulator.
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):
+            x = x_desc.load([off_m, kt * BLOCK_K])
+            w = w_desc.load([off_n, kt * BLOCK_K])
+            if UPCAST_BF16:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, w.T, acc)
+
+        # Epilogue: bias and activation while the accumulator is still in fp32, then one TMA store
+        # (clipped at the edges).
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION)
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16):
+    """Run on checked 16-bit arguments that pass ``tma_compatible(x, weight, out)``, M >= 1.
+    ``input_precision`` is accepted for a uniform launcher signature; 16-bit dots ignore it."""
+    M, K = x.shape
+    N = weight.shape[0]
+    meta = dict(config)
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
+    y_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if x.is_cuda:
+        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+    else:
+        programs = _INTERPRET_PROGRAMS
+    programs = min(programs, tiles)
+    _tma_persistent_kernel[(programs,)](
+        x_desc, w_desc, y_desc, bias if bias is not None else out,
+        M, N, K,
+        HAS_BIAS=bias is not None, ACTIVATION=activation, UPCAST_BF16=upcast_bf16,
+        **meta,
+    )
+    return out

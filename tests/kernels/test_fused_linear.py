@@ -1,0 +1,268 @@
+"""fused_linear on CPU tensors under Triton's interpreter (conftest sets TRITON_INTERPRET=1 when there
+is no GPU; on a GPU machine the same tests run on CUDA tensors).
+
+bfloat16: the interpreter's ``tl.dot`` on bf16 is wrong, so under the interpreter the kernels upcast
+bf16 tiles to fp32 before the dot (a constexpr switch); the bf16 results checked here come from that
+path. The real bf16 MMA is checked on the GPU (test_fused_linear_gpu.py).
+"""
+
+import os
+
+import pytest
+import torch
+
+import kernels
+from kernels import ACTIVATIONS, fused_linear, kernel_choice, small_m, tiled, tma_persistent
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(x, weight, bias, activation):
+    """act(x @ weight^T + bias) in float64."""
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    if activation == "relu":
+        y = torch.relu(y)
+    elif activation == "gelu":
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    elif activation == "silu":
+        y = torch.nn.functional.silu(y)
+    return y
+
+
+# One unit in the last place of each output dtype, relative. Rounding the fp32 accumulator to the
+# output costs half of that; a whole one is allowed because the interpreter converts fp32 to bf16
+# by truncation (seen: errors of exactly 2^-8 relative).
+_OUT_ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+# fp32 accumulation (and TF32 inputs, when torch allows it on the GPU) loses at most about K units of
+# the accumulator's precision of sum(|x| |w|) (the standard dot-product error bound).
+_ACC_EPS = 2.0**-23
+
+
+def assert_matches(out, x, weight, bias, activation):
+    """|out - ref| <= ulp(out dtype) * |ref| + 2 * K * eps_acc * (|x| @ |w|^T + |b|) elementwise.
+
+    The factor 2 covers the activation: gelu/silu have slopes up to ~1.13, so they scale the
+    pre-activation error by at most that, and they are evaluated in fp32 (a few fp32 ulps more).
+    """
+    ref = reference(x, weight, bias, activation)
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != expected {tuple(ref.shape)}"
+    assert out.dtype == x.dtype, f"dtype {out.dtype} != x's {x.dtype}"
+    K = x.shape[-1]
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    tol = _OUT_ULP[x.dtype] * ref.abs() + 2 * max(K, 1) * _ACC_EPS * magnitude + 1e-30
+    err = (out.double() - ref).abs()
+    bad = ~(err <= tol)  # NaN counts as bad
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(
+            f"{int(bad.sum())} of {out.numel()} elements mismatch; first at {idx}: got "
+            f"{out[idx].item()!r}, want {ref[idx].item()!r} (tol {tol[idx].item():.3g}), "
+            f"max err {err.max().item():.3g}")
+
+
+def make(M, N, K, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=g) / max(K, 1) ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=g).to(dtype).to(DEVICE) if bias else None
+    return x, w, b
+
+
+# Every dtype meets every activation, with and without bias, over awkward shapes (M from 1 to 130,
+# N and K not multiples of any tile): a covering set rather than the full product, to keep the
+# interpreter run short.
+CASES = [
+    # (M, N, K, dtype, activation, bias)
+    (1, 5, 33, torch.float32, "relu", True),
+    (3, 100, 130, torch.float32, "none", False),
+    (17, 33, 100, torch.float32, "gelu", True),
+    (70, 130, 5, torch.float32, "silu", False),
+    (130, 33, 70, torch.float32, "relu", False),
+    (1, 130, 100, torch.float16, "none", True),
+    (3, 33, 5, torch.float16, "relu", False),
+    (17, 100, 130, torch.float16, "silu", True),
+    (70, 5, 33, torch.float16, "gelu", False),
+    (130, 100, 33, torch.float16, "relu", True),
+    (1, 33, 130, torch.bfloat16, "gelu", False),
+    (3, 5, 100, torch.bfloat16, "silu", True),
+    (17, 130, 33, torch.bfloat16, "relu", True),
+    (70, 100, 17, torch.bfloat16, "none", True),
+    (100, 1, 1, torch.bfloat16, "relu", False),
+    (1, 1, 1, torch.float32, "none", True),
+]
+
+
+@pytest.mark.parametrize("M,N,K,dtype,activation,bias", CASES)
+def test_matches_float64_reference(M, N, K, dtype, activation, bias):
+    x, w, b = make(M, N, K, dtype, bias)
+    assert_matches(fused_linear(x, w, b, activation), x, w, b, activation)
+
+
+def test_every_activation_is_covered():
+    assert {c[4] for c in CASES} == set(ACTIVATIONS)
+    assert set(ACTIVATIONS) >= {"none", "relu"}
+
+
+def test_default_activation_is_relu():
+    x, w, b = make(3, 17, 5, torch.float32)
+    assert_matches(fused_linear(x, w, b), x, w, b, "relu")
+
+
+# Each kernel through its launcher, whatever dispatch would pick for the shape. The TMA kernel needs
+# 16-byte aligned rows (N, K multiples of 8 for 16-bit types); the interpreter runs descriptors too.
+LAUNCH_CASES = [
+    (tiled, 3, 100, 130, torch.float16),
+    (tiled, 70, 33, 17, torch.bfloat16),
+    (small_m, 1, 130, 100, torch.float16),
+    (small_m, 70, 33, 130, torch.float32),  # M past one 64-row program column: two along M
+    (tma_persistent, 70, 40, 136, torch.float16),
+    (tma_persistent, 130, 104, 24, torch.bfloat16),
+    (tma_persistent, 1, 8, 8, torch.float16),
+]
+
+
+@pytest.mark.parametrize("module,M,N,K,dtype", LAUNCH_CASES, ids=lambda v: getattr(v, "NAME", None))
+def test_each_kernel_matches_reference(module, M, N, K, dtype):
+    x, w, b = make(M, N, K, dtype)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # unwritten elements stay NaN
+    if module is tma_persistent:
+        assert tma_persistent.tma_compatible(x, w, out), "test shape must meet TMA alignment"
+    config = module.INTERPRET_CONFIG if DEVICE == "cpu" else module.candidates(M, N, K)[0]
+    module.launch(x, w, b, "relu", out, config, input_precision="ieee",
+                  upcast_bf16=DEVICE == "cpu" and dtype == torch.bfloat16)
+    assert_matches(out, x, w, b, "relu")
+
+
+@pytest.mark.parametrize("split_k", [1, 3, 8])
+def test_small_m_split_k_with_empty_splits(split_k):
+    # K=40 in 32-wide steps is 2 steps: with SPLIT_K 3 or 8 some programs get no K at all.
+    x, w, b = make(5, 33, 40, torch.float32)
+    out = torch.full((5, 33), float("nan"), dtype=torch.float32, device=DEVICE)
+    config = dict(small_m.INTERPRET_CONFIG, SPLIT_K=split_k)
+    small_m.launch(x, w, b, "silu", out, config, input_precision="ieee", upcast_bf16=False)
+    assert_matches(out, x, w, b, "silu")
+
+
+def test_small_m_candidates_fill_the_gpu():
+    for M, N, K in ((1, 4096, 4096), (16, 1024, 1024), (3, 11008, 4096), (1, 8, 8)):
+        for cfg in small_m.candidates(M, N, K):
+            assert cfg["SPLIT_K"] >= 1
+            programs = -(-N // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+            assert programs <= 2 * 264, f"{(M, N, K)} {cfg}: {programs} programs"
+
+
+def test_row_strided_view_of_x():
+    # Columns 3..3+K of a wider tensor: stride(0) = 150, stride(1) = 1, used in place.
+    base = torch.randn(17, 150).to(DEVICE)
+    x = base[:, 3:103]
+    _, w, b = make(17, 33, 100, torch.float32)
+    assert_matches(fused_linear(x, w, b, "relu"), x, w, b, "relu")
+
+
+def test_transposed_x_and_weight():
+    # Column strides != 1: copied to a unit column stride first.
+    x = torch.randn(100, 17).to(DEVICE).T
+    w = torch.randn(100, 33).to(DEVICE).T / 10
+    assert x.stride(1) != 1 and w.stride(1) != 1
+    assert_matches(fused_linear(x, w, None, "none"), x, w, None, "none")
+
+
+def test_three_dim_x():
+    x = torch.randn(2, 3, 33).to(torch.float16).to(DEVICE)
+    _, w, b = make(1, 17, 33, torch.float16)
+    out = fused_linear(x, w, b, "relu")
+    assert out.shape == (2, 3, 17)
+    assert_matches(out.reshape(6, 17), x.reshape(6, 33), w, b, "relu")
+
+
+def test_one_dim_x_is_one_row():
+    x, w, b = make(1, 5, 33, torch.float32)
+    out = fused_linear(x[0], w, b, "none")
+    assert out.shape == (5,)
+    assert_matches(out[None], x, w, b, "none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_output_dtype_is_x_dtype(dtype):
+    x, w, b = make(3, 5, 17, dtype)
+    assert fused_linear(x, w, b, "relu").dtype == dtype
+
+
+def test_zero_rows_give_empty_output():
+    x = torch.empty(0, 33).to(DEVICE)
+    _, w, b = make(1, 17, 33, torch.float32)
+    out = fused_linear(x, w, b)
+    assert out.shape == (0, 17) and out.dtype == torch.float32
+
+
+def test_zero_k_is_act_of_bias():
+    x = torch.empty(3, 0).to(DEVICE)
+    w = torch.empty(5, 0).to(DEVICE)
+    b = torch.tensor([-1.0, 0.0, 1.0, 2.0, -3.0]).to(DEVICE)
+    assert fused_linear(x, w, b).cpu().tolist() == [[0.0, 0.0, 1.0, 2.0, 0.0]] * 3
+
+
+def _good(dtype=torch.float32):
+    return make(3, 5, 17, dtype)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda x, w, b: fused_linear(x.tolist(), w, b), TypeError, "x"),
+    (lambda x, w, b: fused_linear(x, w.numpy(force=True), b), TypeError, "weight"),
+    (lambda x, w, b: fused_linear(x, w, [0.0] * 5), TypeError, "bias"),
+    (lambda x, w, b: fused_linear(x[0, 0], w, b), ValueError, "x"),
+    (lambda x, w, b: fused_linear(x, w[0], b), ValueError, "weight"),
+    (lambda x, w, b: fused_linear(x[:, :16], w, b), ValueError, "x's last dim"),
+    (lambda x, w, b: fused_linear(x, w, b[:4]), ValueError, "bias"),
+    (lambda x, w, b: fused_linear(x, w, b[None]), ValueError, "bias"),
+    (lambda x, w, b: fused_linear(x.double(), w.double(), b.double()), TypeError, "x dtype"),
+    (lambda x, w, b: fused_linear(x.int(), w.int(), b.int()), TypeError, "x dtype"),
+    (lambda x, w, b: fused_linear(x, w.half(), b), TypeError, "weight dtype"),
+    (lambda x, w, b: fused_linear(x, w, b.half()), TypeError, "bias dtype"),
+    (lambda x, w, b: fused_linear(x, w, b, "tanh"), ValueError, "activation.*relu"),
+    (lambda x, w, b: fused_linear(x, w, b, None), ValueError, "activation"),
+    (lambda x, w, b: fused_linear(x, w.to("meta"), b), ValueError, "weight is on"),
+    (lambda x, w, b: fused_linear(x, w, b.to("meta")), ValueError, "bias is on"),
+])
+def test_bad_arguments(call, exc, match):
+    x, w, b = _good()
+    with pytest.raises(exc, match=match):
+        call(x, w, b)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter switch only matters for CPU tensors")
+def test_cpu_tensor_without_interpreter_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w, b = _good()
+    with pytest.raises(ValueError, match="x is a CPU tensor.*TRITON_INTERPRET=1"):
+        fused_linear(x, w, b)
+
+
+def test_kernel_choice_names_the_kernel_that_runs():
+    name, config = kernel_choice(3, 100, 130, torch.float16, DEVICE)
+    assert name == "triton_small_m"
+    assert isinstance(config, str)
+    name, _ = kernel_choice(130, 100, 130, torch.float32, DEVICE)
+    assert name == "triton_tiled"
+    if DEVICE == "cpu":
+        # The interpreter always runs one fixed config, so it is known before any call.
+        assert kernel_choice(3, 5, 17, torch.float32, "cpu")[1].startswith("BLOCK_N=")
+
+
+def test_tune_runs_each_shape_and_reports(capsys):
+    chosen = kernels.tune([(3, 17, 33), (70, 5, 17)], dtype=torch.float32, device=DEVICE)
+    assert chosen[(3, 17, 33)][0] == "triton_small_m"
+    assert chosen[(70, 5, 17)][0] == "triton_tiled"
+    err = capsys.readouterr().err
+    assert "[tune 1/2] M=3 N=17 K=33 float32: triton_small_m" in err and "[tune 2/2]" in err
+
+
+def test_tune_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="shapes"):
+        kernels.tune([(3, 17)], device=DEVICE)
+    with pytest.raises(ValueError, match="shapes"):
+        kernels.tune([(0, 17, 5)], device=DEVICE)
