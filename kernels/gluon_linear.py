@@ -54,14 +54,17 @@ class GluonConfig:
 
 
 # Small batches are bound by streaming W: narrow N tiles spread W over more SMs, a deep ring with
-# long k-slices keeps enough bytes in flight per SM.
+# long k-slices keeps enough bytes in flight per SM. Every CTA also reads all of X (only its real
+# rows: TMA does not fetch the zero-filled ones), so once M passes 16 the tiles widen to 64 columns
+# to keep X's share of the L2 traffic below W's.
+TINY_M = GluonConfig(block_m=64, block_n=32, block_k=128, stages=6, num_warps=4)
 SMALL_M = GluonConfig(block_m=64, block_n=64, block_k=128, stages=5, num_warps=4)
 # Mid-size M: 128x128 tiles give twice the CTAs of 128x256 when the large tiles would leave SMs idle.
 MEDIUM_M = GluonConfig(block_m=128, block_n=128, block_k=64, stages=4, num_warps=4)
 # Large M: the widest wgmma (n=256); two warpgroups so the 128x256 fp32 accumulator fits in registers.
 # Three stages: 3 x 48 KB of operands + a 64 KB output tile fill most of the 227 KB of shared memory.
 LARGE_M = GluonConfig(block_m=128, block_n=256, block_k=64, stages=3, num_warps=8)
-GLUON_CONFIGS = (SMALL_M, MEDIUM_M, LARGE_M)
+GLUON_CONFIGS = (TINY_M, SMALL_M, MEDIUM_M, LARGE_M)
 
 
 @gluon.constexpr_function
@@ -98,7 +101,8 @@ def _issue_prologue(x_desc, w_desc, x_bufs, w_bufs, ready, base, tile, num_tiles
                     k_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     # Fill the first STAGES - 1 stages for `tile` (predicated off past the last tile or past K).
-    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    # Past the last tile the loads are predicated off; clamping keeps the tile arithmetic in range.
+    pid_m, pid_n = _tile_coords(gl.minimum(tile, num_tiles - 1), num_pid_m, num_pid_n, GROUP_M)
     for s in gl.static_range(STAGES - 1):
         pred = (tile < num_tiles) & (s < k_tiles)
         _issue_load(x_desc, w_desc, x_bufs, w_bufs, ready, base + s, pid_m * BLOCK_M, pid_n * BLOCK_N,
@@ -204,6 +208,8 @@ def gluon_linear_kernel(
 
 def pick_config(M: int, N: int, num_sms: int) -> GluonConfig:
     """The tile config for an ``[M, N]`` output on a GPU with ``num_sms`` SMs."""
+    if M <= 16:
+        return TINY_M
     if M <= SMALL_M.block_m:
         return SMALL_M
     large_tiles = triton.cdiv(M, LARGE_M.block_m) * triton.cdiv(N, LARGE_M.block_n)
@@ -230,7 +236,7 @@ def gluon_supported(M: int, N: int, K: int, dtype: torch.dtype, device: torch.de
         return False
     if dtype not in _TORCH_TO_GL:
         return False
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     # K * elem is X's and W's row pitch, N * elem is Y's: TMA wants both 16-byte aligned.
     return M >= 1 and N >= 1 and K >= 1 and (K * elem) % _TMA_ALIGN_BYTES == 0 \
         and (N * elem) % _TMA_ALIGN_BYTES == 0
@@ -310,6 +316,7 @@ def gluon_fused_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return y
     _check_tma_operand(x2d, "x2d")
     _check_tma_operand(weight, "weight")
+    _check_tma_operand(y, "out")
 
     cfg = gluon_config(M, N, K, x2d.device)
     args, meta = make_launch_args(x2d, weight, bias, y, cfg, activation)

@@ -14,6 +14,7 @@ from kernels.gluon_linear import (
     LARGE_M,
     MEDIUM_M,
     SMALL_M,
+    TINY_M,
     gluon_fused_linear,
     gluon_supported,
     pick_config,
@@ -104,7 +105,9 @@ def test_activations_match_the_shared_list():
 
 
 @pytest.mark.parametrize("M, N, num_sms, expected", [
-    (1, 4096, 132, SMALL_M),
+    (1, 4096, 132, TINY_M),
+    (16, 4096, 132, TINY_M),
+    (17, 4096, 132, SMALL_M),
     (64, 1000, 132, SMALL_M),
     (65, 4096, 132, MEDIUM_M),
     (1000, 4096, 132, MEDIUM_M),  # 8 x 16 = 128 large tiles would leave 4 of 132 SMs idle
@@ -224,7 +227,8 @@ def test_smooth_activations(M, activation):
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
 @pytest.mark.parametrize("M, N, K", [
-    (17, 8456, 136),  # 133 small-config tiles: one more than the H200's SMs, so a CTA runs two
+    (3, 4264, 136),  # 134 tiny-config tiles: more than the H200's 132 SMs, so some CTAs run two
+    (17, 8456, 136),  # 133 small-config tiles, likewise
     (1000, 4096, 1000),  # medium config, about two tiles per CTA, K tail of 40
     (4096, 4104, 4096),  # large config, ~4 tiles per CTA, an N tail of 8 columns
 ])
