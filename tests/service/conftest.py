@@ -14,14 +14,17 @@ from service.settings import Settings
 IN, HIDDEN, OUT = 3, (17,), 2
 
 
-@pytest.fixture
-def repository(tmp_path):
+def write_repository(root):
     """Two float32 models: "tiny" (3 -> 17 -> 2) and "wide" (5 -> 7 -> 4), seeded weights."""
     torch.manual_seed(0)
-    root = tmp_path / "repo"
     models.save_model(models.MLP(models.MLPConfig(IN, HIDDEN, OUT)), root / "tiny")
     models.save_model(models.MLP(models.MLPConfig(5, (7,), 4)), root / "wide")
     return root
+
+
+@pytest.fixture
+def repository(tmp_path):
+    return write_repository(tmp_path / "repo")
 
 
 def reference(repository, name, rows):

@@ -1,0 +1,136 @@
+"""A real uvicorn (``python -m service``) on a free loopback port, in a subprocess stopped by PID."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from .conftest import IN, OUT, reference, write_repository
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = np.array([[0.5, -1.0, 2.0], [3.0, 0.0, -7.0], [100.0, 1.0, 1.0]], dtype=np.float32)
+# Same float32 math on the same CPU in another process; batched rows may take another BLAS path.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, repository: Path, log: Path, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "service", "--port", str(self.port), "--model-repository",
+                 str(repository), "--device", "cpu", *flags], cwd=ROOT, env=env, stdout=out, stderr=out)
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready after {timeout_s} s:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    return write_repository(tmp_path_factory.mktemp("repo"))
+
+
+@pytest.fixture(scope="module")
+def server(repo, tmp_path_factory):
+    s = Server(repo, tmp_path_factory.mktemp("log") / "server.log", "--max-batch-size", "16")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_infer_over_http(server, repo):
+    r = httpx.post(server.url + "/infer", json={"model": "tiny", "inputs": ROWS.tolist()},
+                   headers={"X-Request-ID": "req-7"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "req-7"
+    np.testing.assert_allclose(r.json()["outputs"], reference(repo, "tiny", ROWS), rtol=RTOL, atol=ATOL)
+    r = httpx.post(server.url + "/infer", json={"model": "tiny", "inputs": [[1.0]]}, timeout=10)
+    assert r.status_code == 422 and "expects 3" in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_unmodified_tritonclient(server, repo, binary):
+    client = triton_http.InferenceServerClient(f"127.0.0.1:{server.port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny")
+    meta = client.get_model_metadata("tiny")
+    assert meta["inputs"][0]["shape"] == [-1, IN], meta
+    x = triton_http.InferInput("input", list(ROWS.shape), "FP32")
+    x.set_data_from_numpy(ROWS, binary_data=binary)
+    result = client.infer("tiny", [x], outputs=[triton_http.InferRequestedOutput("output", binary_data=binary)])
+    got = result.as_numpy("output")
+    assert got.shape == (len(ROWS), OUT), got.shape
+    np.testing.assert_allclose(got, reference(repo, "tiny", ROWS), rtol=RTOL, atol=ATOL,
+                               err_msg=f"tritonclient ({'binary' if binary else 'JSON'}) output differs")
+    with pytest.raises(InferenceServerException, match="loaded models"):
+        client.infer("nope", [x])
+    stats = client.get_inference_statistics("tiny")
+    assert stats["model_stats"][0]["inference_count"] >= len(ROWS), stats
+
+
+def test_sigterm_drain_answers_requests_on_open_connections(repo, tmp_path):
+    s = Server(repo, tmp_path / "server.log", "--drain-grace-s", "1.5")
+    try:
+        s.wait_ready()
+        body = json.dumps({"model": "tiny", "inputs": ROWS.tolist()})
+        headers = {"Content-Type": "application/json"}
+        conns = [http.client.HTTPConnection("127.0.0.1", s.port, timeout=10) for _ in range(4)]
+        for c in conns:  # open keep-alive connections, idle when SIGTERM comes
+            c.request("POST", "/infer", body, headers)
+            assert c.getresponse().read()
+        socks = [c.sock for c in conns]
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        for c, sock in zip(conns, socks):
+            assert c.sock is sock, "the client reconnected: this test must reuse the idle connection"
+            c.request("POST", "/infer", body, headers)
+            r = c.getresponse()
+            assert r.status == 200, f"during drain got {r.status} {r.read()!r}"
+            assert r.getheader("connection") == "close", r.getheaders()
+            assert len(json.loads(r.read())["outputs"]) == len(ROWS)
+        r = httpx.get(s.url + "/v2/health/ready", timeout=5)
+        assert r.status_code == 503 and r.json()["error"] == "draining", r.text
+        s.proc.wait(timeout=15)  # the grace ends, uvicorn stops and re-raises SIGTERM on itself
+        assert s.proc.returncode in (0, -signal.SIGTERM), s.log.read_text()
+    finally:
+        s.stop()
