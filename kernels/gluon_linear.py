@@ -266,11 +266,13 @@ def make_launch_args(x2d, weight, bias, y, cfg: GluonConfig, activation: str):
 
 
 def gluon_fused_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       activation: str = "relu", *, out: torch.Tensor | None = None) -> torch.Tensor:
+                       activation: str = "relu", *, out: torch.Tensor | None = None,
+                       config: GluonConfig | None = None) -> torch.Tensor:
     """``act(x2d @ weight^T + bias)`` on a Hopper GPU; x2d ``[M, K]``, weight ``[N, K]``, bias ``[N]``.
 
     ``out``, if given, is a contiguous ``[M, N]`` tensor of x2d's dtype and device that receives the
-    result (preallocated buffers keep CUDA-graph replays free of allocations).
+    result (preallocated buffers keep CUDA-graph replays free of allocations). ``config`` overrides
+    the tile config that ``gluon_config`` would pick (for benchmarks sweeping ``GLUON_CONFIGS``).
     """
     if not isinstance(x2d, torch.Tensor):
         raise TypeError(f"x2d: expected a torch.Tensor, got {type(x2d).__name__}")
@@ -280,6 +282,8 @@ def gluon_fused_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
     if activation not in GLUON_ACTIVATIONS:
         raise ValueError(f"activation: expected one of {GLUON_ACTIVATIONS}, got {activation!r}")
+    if config is not None and not isinstance(config, GluonConfig):
+        raise TypeError(f"config: expected a GluonConfig or None, got {type(config).__name__}")
     if x2d.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x2d, weight: expected 2-D tensors, got shapes {tuple(x2d.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -318,7 +322,7 @@ def gluon_fused_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _check_tma_operand(weight, "weight")
     _check_tma_operand(y, "out")
 
-    cfg = gluon_config(M, N, K, x2d.device)
+    cfg = config if config is not None else gluon_config(M, N, K, x2d.device)
     args, meta = make_launch_args(x2d, weight, bias, y, cfg, activation)
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     grid = (min(num_tiles, _num_sms(x2d.device.index if x2d.device.index is not None else

@@ -72,6 +72,8 @@ def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, f"{where}: no TMA load in the PTX"
     assert "cp.async.bulk.tensor.2d.global.shared" in ptx, f"{where}: no TMA store in the PTX"
     assert "mbarrier.try_wait" in ptx, f"{where}: the operand ring waits on no mbarrier"
+    # The main loop keeps one wgmma in flight while it waits for the next k-slice.
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"{where}: wgmma is not pipelined"
     assert compiled.metadata.shared <= SM90_SMEM_BYTES, (
         f"{where}: {compiled.metadata.shared} bytes of shared memory, sm_90 allows {SM90_SMEM_BYTES}")
     # The bias is the only global load that is not TMA.
@@ -161,6 +163,8 @@ def test_rejects_bad_arguments_on_cpu():
         gluon_fused_linear(x, w, torch.zeros(999))
     with pytest.raises(TypeError, match="weight"):
         gluon_fused_linear(x, w.float())
+    with pytest.raises(TypeError, match="config"):
+        gluon_fused_linear(x, w, config="BM128_BN256")
     # Well-formed, but a CPU tensor: the kernel needs a Hopper GPU.
     with pytest.raises(ValueError, match="x2d"):
         gluon_fused_linear(x, w)
@@ -172,7 +176,7 @@ GPU_MS = [1, 17, 64, 130, 1000, 4096]
 GPU_NKS = [(136, 1000), (1000, 136), (4096, 4096)]
 
 
-def check_against_reference(M, N, K, dtype, bias_kind, activation, seed=0):
+def check_against_reference(M, N, K, dtype, bias_kind, activation, seed=0, config=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
     # Scaled like nn.Linear's init so outputs stay O(1) at every K.
@@ -182,7 +186,7 @@ def check_against_reference(M, N, K, dtype, bias_kind, activation, seed=0):
         bias = torch.randn(N, device="cuda", generator=gen).to(torch.float32 if bias_kind == "fp32" else dtype)
 
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    got = gluon_fused_linear(x, weight, bias, activation, out=out)
+    got = gluon_fused_linear(x, weight, bias, activation, out=out, config=config)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr(), "the result was not written into `out`"
 
@@ -200,7 +204,8 @@ def check_against_reference(M, N, K, dtype, bias_kind, activation, seed=0):
     worst = err.max().item()
     if worst > tol:
         i, j = divmod(int(err.argmax()), N)
-        raise AssertionError(f"M={M} N={N} K={K} {dtype} bias={bias_kind} {activation}: max error {worst:.3g} "
+        raise AssertionError(f"M={M} N={N} K={K} {dtype} bias={bias_kind} {activation} config={config}: "
+                             f"max error {worst:.3g} "
                              f"> tol {tol:.3g} (torch's own {torch_err:.3g}) at [{i}, {j}]: got "
                              f"{got[i, j].item()}, expected {ref[i, j].item()}")
 
@@ -234,6 +239,16 @@ def test_smooth_activations(M, activation):
 ])
 def test_persistent_tiles_beyond_one_wave(M, N, K):
     check_against_reference(M, N, K, torch.bfloat16, "same", "relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
+@pytest.mark.parametrize("cfg", GLUON_CONFIGS, ids=str)
+@pytest.mark.parametrize("M, N, K", [(3, 136, 4096), (130, 1000, 1000), (1000, 4104, 136)])
+def test_every_config_when_forced(cfg, M, N, K):
+    # The shape heuristic sends each shape to one config; forcing them covers every config on
+    # tails in M, N and K, and several tiles per CTA.
+    check_against_reference(M, N, K, torch.float16, "same", "relu", config=cfg)
 
 
 @pytest.mark.gpu
