@@ -7,7 +7,9 @@ and hands one ``LayerTiming`` per layer launch to a sink, which the service aggr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 
@@ -30,3 +32,44 @@ class LayerTiming:
 
 class TimingSink(Protocol):
     def record_layer(self, timing: LayerTiming) -> None: ...
+
+
+class PendingEvents:
+    """Layer launches bracketed by CUDA events, turned into ``LayerTiming``s once the GPU is past them.
+
+    Reading an event before the GPU reaches it would need a synchronize; instead the launcher adds
+    ``(timing, start, end)`` and later collects what ``ready()`` finds finished (``end.query()``),
+    oldest first. ``drain()`` waits for everything (tests, a stats read that wants the latest).
+    The runner thread adds while a stats reader may drain: a lock keeps each entry resolved once.
+    """
+
+    def __init__(self):
+        self._items: deque = deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, timing: LayerTiming, start, end) -> None:
+        """``timing`` has every field but ``seconds``, which the events will give."""
+        with self._lock:
+            self._items.append((timing, start, end))
+
+    def ready(self) -> list[LayerTiming]:
+        done = []
+        with self._lock:
+            # Events on one stream complete in order: stop at the first one still pending.
+            while self._items and self._items[0][2].query():
+                done.append(self._resolve(*self._items.popleft()))
+        return done
+
+    def drain(self) -> list[LayerTiming]:
+        with self._lock:
+            items, self._items = self._items, deque()
+        for _, _, end in items:
+            end.synchronize()
+        return [self._resolve(*item) for item in items]
+
+    @staticmethod
+    def _resolve(timing: LayerTiming, start, end) -> LayerTiming:
+        return replace(timing, seconds=start.elapsed_time(end) / 1e3)  # elapsed_time is in ms

@@ -2,6 +2,7 @@
 
 from models.loading import DEFAULT_REPOSITORY, load_model, load_repository, save_model
 from models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
+from models.runner import ModelRunner, batch_buckets
 
 __all__ = [
     "BACKENDS",
@@ -10,6 +11,8 @@ __all__ = [
     "MLP",
     "FusedLinear",
     "MLPConfig",
+    "ModelRunner",
+    "batch_buckets",
     "load_model",
     "load_repository",
     "save_model",

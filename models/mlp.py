@@ -21,6 +21,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 TORCH_ACTIVATIONS = {
     "none": lambda y: y,
     "relu": F.relu,
+    "gelu": lambda y: F.gelu(y, approximate="tanh"),  # the approximation kernels.fused_linear uses
     "silu": F.silu,
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,

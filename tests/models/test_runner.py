@@ -1,0 +1,121 @@
+"""ModelRunner on the CPU: buckets, padding, timings and input checks (GPU-only parts at the end)."""
+
+import pytest
+import torch
+
+from models import MLP, MLPConfig, ModelRunner, batch_buckets
+
+CONFIG = MLPConfig(in_features=17, hidden_features=(70, 3), out_features=5)
+MAX_BATCH = 100
+
+
+class ListSink:
+    def __init__(self):
+        self.timings = []
+
+    def record_layer(self, timing):
+        self.timings.append(timing)
+
+
+def make_model(backend="torch", device="cpu", config=CONFIG):
+    torch.manual_seed(0)
+    model = MLP(config, backend=backend, device=device, name="tiny").eval().requires_grad_(False)
+    model.input_shift.uniform_(-1, 1)
+    model.input_scale.uniform_(0.5, 2)
+    return model
+
+
+def test_buckets_are_powers_of_two_then_the_maximum():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(MAX_BATCH) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, MAX_BATCH])
+def test_padded_batches_match_the_model(rows):
+    model = make_model()
+    runner = ModelRunner(model, max_batch_size=MAX_BATCH)
+    runner.run(torch.randn(MAX_BATCH, 17) * 100)  # leaves junk in the padding rows
+    x = torch.randn(rows, 17)
+    got = runner.run(x)
+    assert got.shape == (rows, 5) and got.dtype == torch.float32 and got.device.type == "cpu"
+    # Same ops on the same rows; only the padded GEMM's shape differs, which may reorder sums.
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5, msg=lambda m: f"rows={rows}: {m}")
+
+
+def test_half_precision_model_returns_float32():
+    model = make_model(config=MLPConfig(17, (70,), 5, dtype="bfloat16"))
+    x = torch.randn(3, 17)
+    got = ModelRunner(model, max_batch_size=8).run(x)
+    assert got.dtype == torch.float32
+    # bfloat16 keeps 8 mantissa bits (2**-8 relative); padding to 4 rows may round differently.
+    torch.testing.assert_close(got, model(x).float(), rtol=2**-7, atol=2**-7)
+
+
+def test_sink_gets_one_timing_per_layer_per_batch():
+    sink = ListSink()
+    runner = ModelRunner(make_model(), max_batch_size=MAX_BATCH, timing_sink=sink)
+    runner.run(torch.randn(3, 17))
+    runner.run(torch.randn(70, 17))
+    assert [(t.layer, t.rows, t.M, t.N, t.K) for t in sink.timings] == [
+        ("layers.0", 3, 4, 70, 17), ("layers.1", 3, 4, 3, 70), ("layers.2", 3, 4, 5, 3),
+        ("layers.0", 70, 100, 70, 17), ("layers.1", 70, 100, 3, 70), ("layers.2", 70, 100, 5, 3),
+    ]
+    for t in sink.timings:
+        assert (t.model, t.dtype, t.backend, t.config) == ("tiny", "float32", "torch", ""), t
+        assert t.seconds > 0, t
+    assert [t.kernel for t in sink.timings[:3]] == ["torch.linear+relu", "torch.linear+relu", "torch.linear"]
+    assert runner.pending_timings() == 0 and runner.flush_timings() == 0
+
+
+def test_warmup_runs_every_bucket_and_records_nothing():
+    sink = ListSink()
+    runner = ModelRunner(make_model(), max_batch_size=10, timing_sink=sink)
+    seconds = runner.warmup()
+    assert sorted(seconds) == [1, 2, 4, 8, 10]
+    assert all(s > 0 for s in seconds.values()), seconds
+    assert sink.timings == []
+
+
+def test_attributes():
+    runner = ModelRunner(make_model(), max_batch_size=MAX_BATCH)
+    assert (runner.name, runner.in_features, runner.out_features, runner.max_batch_size) == ("tiny", 17, 5, 100)
+    assert (runner.device.type, runner.backend, runner.dtype, runner.cuda_graphs) == ("cpu", "torch", torch.float32, False)
+
+
+@pytest.mark.parametrize("x, error, message", [
+    (torch.randn(3, 16), ValueError, r"shape \[M, 17\]"),
+    (torch.randn(3), ValueError, r"shape \[M, 17\]"),
+    (torch.randn(MAX_BATCH + 1, 17), ValueError, "1 to 100 rows"),
+    (torch.randn(0, 17), ValueError, "1 to 100 rows"),
+    (torch.randn(3, 17, dtype=torch.float64), TypeError, "float32"),
+    ([[0.0] * 17], TypeError, "torch.Tensor"),
+])
+def test_bad_inputs_are_rejected(x, error, message):
+    runner = ModelRunner(make_model(), max_batch_size=MAX_BATCH)
+    with pytest.raises(error, match=message):
+        runner.run(x)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        ModelRunner(make_model(), max_batch_size=0)
+    with pytest.raises(ValueError, match="timing_sample_every"):
+        ModelRunner(make_model(), max_batch_size=4, timing_sample_every=0)
+    with pytest.raises(TypeError, match="model"):
+        ModelRunner(torch.nn.Linear(2, 2), max_batch_size=4)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        ModelRunner(make_model(), max_batch_size=4, cuda_graphs=True)
+
+
+def test_triton_backend_under_the_interpreter_matches_torch():
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA version of this check is test_triton_backend_matches_torch_on_gpu")
+    sink = ListSink()
+    reference = make_model()
+    fused = make_model(backend="triton")
+    runner = ModelRunner(fused, max_batch_size=8, timing_sink=sink)
+    x = torch.randn(3, 17)
+    # float32 with ieee dots in the interpreter: only summation order differs.
+    torch.testing.assert_close(runner.run(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert all(t.backend == "triton" and t.kernel and t.config for t in sink.timings), sink.timings
