@@ -2,6 +2,13 @@
 in-memory app with its lifespan running."""
 
 import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,6 +19,7 @@ from service.app import create_app
 from service.settings import Settings
 
 IN, HIDDEN, OUT = 3, (17,), 2
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_repository(root):
@@ -59,3 +67,46 @@ async def client(settings):
             await wait_ready(c)
             c.app = app
             yield c
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m service`` on a free loopback port; ``repository`` None serves the shipped one."""
+
+    def __init__(self, repository: Path | None, log: Path, *flags: str, device: str = "cpu"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "service", "--port", str(self.port), "--device", device, *flags,
+                 *(["--model-repository", str(repository)] if repository is not None else [])],
+                cwd=ROOT, env=env, stdout=out, stderr=out)
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready after {timeout_s} s:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -2,13 +2,8 @@
 
 import http.client
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -16,52 +11,11 @@ import pytest
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from .conftest import IN, OUT, reference, write_repository
+from .conftest import IN, OUT, Server, reference, write_repository
 
-ROOT = Path(__file__).resolve().parents[2]
 ROWS = np.array([[0.5, -1.0, 2.0], [3.0, 0.0, -7.0], [100.0, 1.0, 1.0]], dtype=np.float32)
 # Same float32 math on the same CPU in another process; batched rows may take another BLAS path.
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, repository: Path, log: Path, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service", "--port", str(self.port), "--model-repository",
-                 str(repository), "--device", "cpu", *flags], cwd=ROOT, env=env, stdout=out, stderr=out)
-
-    def wait_ready(self, timeout_s: float = 90.0) -> None:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready after {timeout_s} s:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,78 @@
+"""The shipped digits model served end to end: in memory on the CPU, and a real server on CUDA."""
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+from service.app import create_app
+from service.settings import Settings
+
+from .conftest import Server, wait_ready
+
+# 98.3% held out when trained (models/repository/digits/training.json); these rows mix train and
+# held-out ones, so anything below 95% means the service mangled rows, not that the model is weak.
+MIN_ACCURACY = 0.95
+
+
+def digits(n=130):
+    data = load_digits()
+    return data.data[:n].astype(np.float32), data.target[:n]
+
+
+def accuracy(outputs, labels) -> float:
+    return float((np.asarray(outputs).argmax(1) == labels).mean())
+
+
+async def test_shipped_digits_in_memory_with_concurrent_requests():
+    x, y = digits()
+    app = create_app(Settings(device="cpu", max_batch_size=16))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            await wait_ready(c)
+            # Awkward request sizes (at most max_batch_size=16 rows each), sent concurrently so they batch.
+            sizes = [1, 3, 16, 7, 1, 16, 13, 16, 16, 16, 16, 9]
+            starts = np.cumsum([0, *sizes[:-1]])
+            responses = await asyncio.gather(*(
+                c.post("/infer", json={"inputs": x[s:s + n].tolist()}) for s, n in zip(starts, sizes)))
+            outputs = []
+            for s, n, r in zip(starts, sizes, responses):
+                assert r.status_code == 200, f"rows {s}:{s + n}: {r.status_code} {r.text}"
+                assert len(r.json()["outputs"]) == n, f"rows {s}:{s + n} got {len(r.json()['outputs'])} outputs"
+                outputs += r.json()["outputs"]
+            acc = accuracy(outputs, y[:len(outputs)])
+            assert acc >= MIN_ACCURACY, f"digits accuracy through /infer {acc:.3f} < {MIN_ACCURACY}"
+            stats = (await c.get("/kernel-stats")).json()
+            assert stats["served"]["digits"]["in_features"] == 64
+            assert sum(row["calls"] for row in stats["layers"]) == 3 * stats["models"]["digits"]["batches"]
+
+
+@pytest.mark.gpu
+def test_shipped_digits_on_cuda_real_server(tmp_path):
+    """The default CUDA set-up (triton backend, CUDA graphs) behind a real uvicorn, with httpx."""
+    x, y = digits(400)
+    server = Server(None, tmp_path / "server.log", "--max-batch-size", "64", device="cuda")
+    try:
+        # Warm-up autotunes every bucket of every layer: allow minutes on a cold cache.
+        server.wait_ready(timeout_s=420)
+        outputs = []
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for start in range(0, len(x), 17):  # 17-row requests: buckets are padded
+                r = client.post("/infer", json={"model": "digits", "inputs": x[start:start + 17].tolist()})
+                assert r.status_code == 200, f"rows {start}: {r.status_code} {r.text}\n{server.log.read_text()}"
+                outputs += r.json()["outputs"]
+            acc = accuracy(outputs, y)
+            print(f"digits accuracy on CUDA through the server: {acc:.4f}")
+            assert acc >= MIN_ACCURACY, f"CUDA digits accuracy {acc:.3f} < {MIN_ACCURACY}"
+            stats = client.get("/kernel-stats").json()
+            print("served:", stats["served"])
+            for row in stats["layers"]:
+                print(f"{row['layer']} M={row['M']} {row['kernel']} [{row['config']}] calls={row['calls']} "
+                      f"mean={row['mean_s'] * 1e6:.1f} us {row['gbps']:.1f} GB/s")
+            assert stats["served"]["digits"]["device"].startswith("cuda"), stats["served"]
+            assert stats["served"]["digits"]["backend"] == "triton", stats["served"]
+    finally:
+        server.stop()
+        print(server.log.read_text()[-4000:])
