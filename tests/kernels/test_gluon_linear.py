@@ -111,10 +111,12 @@ def test_activations_match_the_shared_list():
     (16, 4096, 132, TINY_M),
     (17, 4096, 132, SMALL_M),
     (64, 1000, 132, SMALL_M),
-    (65, 4096, 132, MEDIUM_M),
-    (1000, 4096, 132, MEDIUM_M),  # 8 x 16 = 128 large tiles would leave 4 of 132 SMs idle
-    (1030, 4096, 132, LARGE_M),  # 9 x 16 = 144 large tiles fill every SM
+    (65, 4096, 132, MEDIUM_M),  # 16 large tiles would leave 116 of 132 SMs idle
+    (300, 4096, 132, MEDIUM_M),  # 96 medium tiles in one wave beat 48 large ones
+    (1000, 4096, 132, LARGE_M),  # 128 large tiles: one wave, as long as two waves of medium ones
+    (1030, 4096, 132, MEDIUM_M),  # 144 large tiles need a second, nearly empty wave
     (4096, 4096, 132, LARGE_M),
+    (4096, 4096, 66, LARGE_M),
 ])
 def test_pick_config(M, N, num_sms, expected):
     got = pick_config(M, N, num_sms)
@@ -234,7 +236,7 @@ def test_smooth_activations(M, activation):
 @pytest.mark.parametrize("M, N, K", [
     (3, 4264, 136),  # 134 tiny-config tiles: more than the H200's 132 SMs, so some CTAs run two
     (17, 8456, 136),  # 133 small-config tiles, likewise
-    (1000, 4096, 1000),  # medium config, about two tiles per CTA, K tail of 40
+    (1000, 4104, 1000),  # large config, 136 tiles: some CTAs run two; K tail of 40
     (4096, 4104, 4096),  # large config, ~4 tiles per CTA, an N tail of 8 columns
 ])
 def test_persistent_tiles_beyond_one_wave(M, N, K):
