@@ -77,23 +77,24 @@ async def _lifespan(app: FastAPI):
         await asyncio.gather(*(b.stop() for b in state.batchers.values()))
 
 
-def _error_response(request: Request, status: int, message: str, headers=None) -> JSONResponse:
+def _error_response(status: int, message: str, headers=None) -> JSONResponse:
+    # {"error": ...} everywhere: the Open Inference Protocol's error body, which tritonclient reads.
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
     state: ServiceState = request.app.state.service
     state.metrics.record_request(getattr(request.state, "model", ""), exc.outcome)
-    return _error_response(request, exc.status, exc.message, exc.headers)
+    return _error_response(exc.status, exc.message, exc.headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-    return _error_response(request, 422, "invalid request: " + "; ".join(parts))
+    return _error_response(422, "invalid request: " + "; ".join(parts))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return _error_response(request, exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+    return _error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

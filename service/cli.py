@@ -22,15 +22,23 @@ _FLAGS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fusedserve", description="Serve MLPs on fused Triton kernels.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="fusedserve", description="Serve MLPs on fused Triton kernels.")
+    sub = top.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model repository over HTTP")
     for flag, (field, kind, help_text) in _FLAGS.items():
         env = "FUSEDSERVE_" + field.upper()
         serve.add_argument(flag, dest=field, type=kind, default=None, help=f"{help_text}; env {env}")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return parser
+    return top
+
+
+def settings_from_args(args: argparse.Namespace):
+    """Settings from the environment, with every flag given on the command line taking precedence."""
+    from service.settings import Settings
+
+    overrides = {field: getattr(args, field) for field, _, _ in _FLAGS.values() if getattr(args, field) is not None}
+    return Settings(**overrides)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -38,11 +46,9 @@ def serve(args: argparse.Namespace) -> None:
 
     from service.app import create_app
     from service.server import DrainingServer
-    from service.settings import Settings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {field: getattr(args, field) for field, _, _ in _FLAGS.values() if getattr(args, field) is not None}
-    settings = Settings(**overrides)
+    settings = settings_from_args(args)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
                             lifespan="on")
@@ -50,7 +56,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.command == "serve":
         serve(args)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -49,6 +49,13 @@ class Settings(BaseSettings):
         if value not in ("auto", "triton", "torch"):
             raise ValueError(f"backend must be auto, triton or torch, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_queue(self) -> Settings:
+        if self.max_queue_rows < self.max_batch_size:
+            raise ValueError(f"max_queue_rows ({self.max_queue_rows}) must be >= max_batch_size "
+                             f"({self.max_batch_size}): a full batch must fit in the queue")
+        return self
 
     @property
     def rows_per_request(self) -> int:

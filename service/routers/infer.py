@@ -14,7 +14,8 @@ from service.state import ServiceState, get_state
 
 router = APIRouter(tags=["inference"])
 
-_EXAMPLE = {"model": "digits", "inputs": [[0.0] * 4]}
+# "model" may be left out when the server has one model; each row has in_features numbers.
+_EXAMPLE = {"model": "mymodel", "inputs": [[0.5, 3.0, -1.25], [1.0, 0.0, 2.0]]}
 
 
 @router.post(

@@ -251,3 +251,47 @@ async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, mo
                 await asyncio.sleep(0.005)
             r = await c.get("/v2/health/ready")
             assert r.status_code == 503 and "autotune exploded" in r.json()["error"], r.text
+
+
+async def test_disconnected_client_is_dropped_before_its_batch_runs(client):
+    """Raw ASGI, so the test decides when the client goes away: while its request is still queued."""
+    app, batcher = client.app, client.app.state.service.batchers["tiny"]
+    gate, calls, real_run = threading.Event(), [], batcher.runner.run
+
+    def spy(x):
+        calls.append(x.shape[0])
+        gate.wait(timeout=10)
+        return real_run(x)
+
+    batcher.runner.run = spy
+    first = asyncio.ensure_future(client.post("/infer", json={"model": "tiny", "inputs": ROWS[:1]}))
+    while not calls:
+        await asyncio.sleep(0.005)
+
+    body = json.dumps({"model": "tiny", "inputs": ROWS}).encode()
+    messages, gone, sent = [{"type": "http.request", "body": body, "more_body": False}], asyncio.Event(), []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/infer", "raw_path": b"/infer", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 5000), "server": ("test", 80)}
+    request = asyncio.ensure_future(app(scope, receive, send))
+    while batcher.queued_rows < len(ROWS):
+        await asyncio.sleep(0.005)
+    gone.set()
+    await asyncio.wait_for(request, 5)
+    gate.set()
+    assert (await first).status_code == 200
+    assert (await client.post("/infer", json={"model": "tiny", "inputs": ROWS[:2]})).status_code == 200
+    assert calls == [1, 2], f"runner saw {calls}: the disconnected 3-row request was computed"
+    assert sent[0]["status"] == 499, sent[0]
+    assert 'outcome="disconnected"} 1.0' in (await client.get("/metrics")).text

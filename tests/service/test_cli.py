@@ -1,0 +1,50 @@
+"""The CLI: flags, environment variables and their precedence; settings validation."""
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from service.cli import parser, settings_from_args
+from service.settings import Settings
+
+from .conftest import ROOT
+
+
+def test_flags_override_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDSERVE_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("FUSEDSERVE_PORT", "9001")
+    monkeypatch.setenv("FUSEDSERVE_MODEL_REPOSITORY", str(tmp_path))
+    settings = settings_from_args(parser().parse_args(["serve", "--port", "9100", "--max-delay-ms", "0.5"]))
+    assert (settings.port, settings.max_batch_size, settings.max_delay_ms) == (9100, 7, 0.5)
+    assert settings.model_repository == tmp_path and settings.host == "127.0.0.1"
+
+
+def test_defaults_serve_the_shipped_repository_on_loopback():
+    import models
+
+    settings = Settings()
+    assert (settings.host, settings.port, settings.device, settings.backend) == ("127.0.0.1", 8000, "auto", "auto")
+    assert settings.model_repository == models.DEFAULT_REPOSITORY
+    assert settings.rows_per_request == settings.max_batch_size == 64
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"device": "gpu"}, "device must be"),
+    ({"backend": "cuda"}, "backend must be"),
+    ({"max_batch_size": 0}, "max_batch_size"),
+    ({"max_batch_size": 64, "max_queue_rows": 3}, "max_queue_rows"),
+])
+def test_bad_settings_name_the_field(kwargs, fragment):
+    with pytest.raises(ValidationError, match=fragment):
+        Settings(**kwargs)
+
+
+def test_python_dash_m_service_help_lists_every_flag():
+    out = subprocess.run([sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--host", "--port", "--model-repository", "--device", "--max-batch-size", "--max-delay-ms",
+                 "--max-queue-rows", "--request-timeout-ms", "FUSEDSERVE_PORT"):
+        assert flag in out.stdout, f"{flag} missing from help:\n{out.stdout}"
