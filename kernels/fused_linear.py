@@ -8,55 +8,13 @@ candidates the first time, see ``kernels.autotune_cache``), and launches it.
 import functools
 import importlib
 import math
-import os
 
 import torch
 
 from kernels import autotune_cache, dispatch, small_m, tiled, tma_persistent
-from kernels.activations import ACTIVATIONS
+from kernels.arguments import check_args, interpreting
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LAUNCHERS = {m.NAME: m for m in (tiled, small_m, tma_persistent)}
-
-
-def _interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _check_args(x, weight, bias, activation):
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least 1 dimension ([..., K]), got a 0-d tensor")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x's last dim ({x.shape[-1]}) must equal weight's K ({weight.shape[1]})")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"x dtype {x.dtype} not supported; use one of {_DTYPES}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must match x dtype {x.dtype}")
-    if bias is not None and bias.dtype != x.dtype:
-        raise TypeError(f"bias dtype {bias.dtype} must match x dtype {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
-    if bias is not None and bias.device != x.device:
-        raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
-    if x.device.type == "cuda":
-        return
-    if x.device.type == "cpu" and _interpreting():
-        return
-    if x.device.type == "cpu":
-        raise ValueError("x is a CPU tensor: fused_linear needs CUDA tensors, or TRITON_INTERPRET=1 "
-                         "set before kernels is imported to run the kernels on CPU (slowly)")
-    raise ValueError(f"x is on {x.device}; fused_linear runs on CUDA (or CPU under TRITON_INTERPRET=1)")
 
 
 def _unit_column_stride(t):
@@ -65,7 +23,7 @@ def _unit_column_stride(t):
 
 
 def _capability(device):
-    if device.type != "cuda" or _interpreting():
+    if device.type != "cuda" or interpreting():
         return None
     return torch.cuda.get_device_capability(device)
 
@@ -112,7 +70,7 @@ def _config_for(name, x2d, weight, bias, activation, out, launch_kw):
     """The config to launch ``name`` with: the interpreter's fixed one, the cached tuned one, or
     (first time for this bucket) the fastest candidate, timed now and stored."""
     module = _LAUNCHERS[name]
-    if _interpreting() or x2d.device.type != "cuda":
+    if interpreting() or x2d.device.type != "cuda":
         return module.INTERPRET_CONFIG
     M, K = x2d.shape
     N = weight.shape[0]
@@ -132,6 +90,38 @@ def _config_for(name, x2d, weight, bias, activation, out, launch_kw):
     return best
 
 
+def _flatten(x, weight, bias):
+    """``x [..., K]`` as ``x2d [M, K]`` and the leading shape; x2d and weight with unit column stride."""
+    lead = x.shape[:-1]
+    x2d = _unit_column_stride(x.reshape(math.prod(lead), weight.shape[1]))
+    return x2d, _unit_column_stride(weight), (bias.contiguous() if bias is not None else None), lead
+
+
+def _degenerate(x2d, weight, bias, activation):
+    """The result when M, N or K is 0 (no kernel launch), else None."""
+    M, K = x2d.shape
+    N = weight.shape[0]
+    if M == 0 or N == 0:
+        return torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
+    if K == 0:
+        # An empty sum: every output is act(b) (or act(0)); computed in fp32 like the kernels' epilogue.
+        acc = torch.zeros((M, N), device=x2d.device, dtype=torch.float32)
+        if bias is not None:
+            acc += bias.float()
+        return _torch_activation(acc, activation).to(x2d.dtype)
+    return None
+
+
+def _launch(name, x2d, weight, bias, activation):
+    if name == dispatch.GLUON:
+        return _gluon_module().gluon_fused_linear(x2d, weight, bias, activation)
+    out = torch.empty((x2d.shape[0], weight.shape[0]), device=x2d.device, dtype=x2d.dtype)
+    launch_kw = dict(input_precision=_input_precision(x2d.dtype),
+                     upcast_bf16=interpreting() and x2d.dtype == torch.bfloat16)
+    config = _config_for(name, x2d, weight, bias, activation, out, launch_kw)
+    return _LAUNCHERS[name].launch(x2d, weight, bias, activation, out, config, **launch_kw)
+
+
 def fused_linear(x, weight, bias=None, activation="relu"):
     """``Y = act(X @ W^T + b)`` with bias and activation fused into the GEMM epilogue.
 
@@ -141,32 +131,44 @@ def fused_linear(x, weight, bias=None, activation="relu"):
     ``torch.backends.cuda.matmul.allow_tf32`` is True. CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``.
     """
-    _check_args(x, weight, bias, activation)
-    N, K = weight.shape
-    lead = x.shape[:-1]
-    x2d = _unit_column_stride(x.reshape(math.prod(lead), K))
-    weight = _unit_column_stride(weight)
-    bias = bias.contiguous() if bias is not None else None
-    M = x2d.shape[0]
-    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if M == 0 or N == 0:
-        return out.reshape(*lead, N)
-    if K == 0:
-        # An empty sum: every output is act(b) (or act(0)); computed in fp32 like the kernels' epilogue.
-        acc = torch.zeros((M, N), device=x.device, dtype=torch.float32)
-        if bias is not None:
-            acc += bias.float()
-        return _torch_activation(acc, activation).to(x.dtype).reshape(*lead, N)
+    check_args(x, weight, bias, activation)
+    x2d, weight, bias, lead = _flatten(x, weight, bias)
+    y = _degenerate(x2d, weight, bias, activation)
+    if y is None:
+        M, K = x2d.shape
+        N = weight.shape[0]
+        out_aligned = (N * x2d.element_size()) % 16 == 0  # the output is a fresh contiguous tensor
+        tma_aligned = out_aligned and tma_persistent.tma_compatible(x2d, weight)
+        y = _launch(_select(M, N, K, x2d.dtype, x2d.device, tma_aligned), x2d, weight, bias, activation)
+    return y.reshape(*lead, weight.shape[0])
 
-    tma_aligned = tma_persistent.tma_compatible(x2d, weight, out)
-    name = _select(M, N, K, x.dtype, x.device, tma_aligned)
-    if name == dispatch.GLUON:
-        return _gluon_module().gluon_fused_linear(x2d, weight, bias, activation).reshape(*lead, N)
-    launch_kw = dict(input_precision=_input_precision(x.dtype),
-                     upcast_bf16=_interpreting() and x.dtype == torch.bfloat16)
-    config = _config_for(name, x2d, weight, bias, activation, out, launch_kw)
-    _LAUNCHERS[name].launch(x2d, weight, bias, activation, out, config, **launch_kw)
-    return out.reshape(*lead, N)
+
+KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON)
+
+
+def run_kernel(name, x, weight, bias=None, activation="relu"):
+    """``fused_linear`` forced onto one kernel of ``KERNELS`` (for benchmarks and tests), tuned
+    the same way. Raises ValueError when that kernel cannot run these arguments here."""
+    if name not in KERNELS:
+        raise ValueError(f"name must be one of {KERNELS}, got {name!r}")
+    check_args(x, weight, bias, activation)
+    x2d, weight, bias, lead = _flatten(x, weight, bias)
+    M, K = x2d.shape
+    N = weight.shape[0]
+    y = _degenerate(x2d, weight, bias, activation)
+    if y is not None:
+        return y.reshape(*lead, N)
+    half = x2d.dtype in (torch.float16, torch.bfloat16)
+    aligned = (N * x2d.element_size()) % 16 == 0 and tma_persistent.tma_compatible(x2d, weight)
+    capability = _capability(x2d.device)
+    hopper_or_interpreter = capability is None or capability[0] == 9
+    if name == dispatch.TMA_PERSISTENT and not (half and aligned and hopper_or_interpreter):
+        raise ValueError(f"name {name!r} needs fp16/bf16, 16-byte aligned rows (N={N}, K={K}) and a Hopper "
+                         "GPU or the interpreter")
+    if name == dispatch.GLUON and not (aligned and _gluon_ok(M, N, K, x2d.dtype, x2d.device)):
+        raise ValueError(f"name {name!r}: the Gluon kernel is unavailable or does not accept "
+                         f"M={M} N={N} K={K} {x2d.dtype} on {x2d.device}")
+    return _launch(name, x2d, weight, bias, activation).reshape(*lead, N)
 
 
 def _torch_activation(t, activation):
@@ -195,7 +197,7 @@ def kernel_choice(M, N, K, dtype, device):
         config_of = getattr(_gluon_module(), "gluon_config", None)
         return name, str(config_of(M, N, K, device)) if config_of is not None else ""
     module = _LAUNCHERS[name]
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return name, autotune_cache.config_str(module.INTERPRET_CONFIG)
     config = _tune_cache(torch.cuda.get_device_name(device)).get(_tune_key(name, max(M, 1), N, K, dtype))
     return name, autotune_cache.config_str(config) if config is not None else ""

@@ -34,7 +34,8 @@ def candidates(M, N, K):
 
 
 def tma_compatible(*tensors):
-    """TMA wants 16-byte aligned base addresses and row strides, and unit column strides."""
+    """TMA wants 16-byte aligned base addresses and row strides, and unit column strides (checked on
+    2-D tensors: x, the weight and the output)."""
     for t in tensors:
         if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False

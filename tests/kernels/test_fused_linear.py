@@ -6,13 +6,11 @@ bf16 tiles to fp32 before the dot (a constexpr switch); the bf16 results checked
 path. The real bf16 MMA is checked on the GPU (test_fused_linear_gpu.py).
 """
 
-import os
-
 import pytest
 import torch
 
 import kernels
-from kernels import ACTIVATIONS, fused_linear, kernel_choice, small_m, tiled, tma_persistent
+from kernels import ACTIVATIONS, KERNELS, fused_linear, kernel_choice, run_kernel, small_m, tiled, tma_persistent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -153,6 +151,31 @@ def test_small_m_candidates_fill_the_gpu():
             assert cfg["SPLIT_K"] >= 1
             programs = -(-N // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
             assert programs <= 2 * 264, f"{(M, N, K)} {cfg}: {programs} programs"
+
+
+@pytest.mark.parametrize("name,M,N,K,dtype", [
+    ("triton_small_m", 70, 40, 17, torch.float32),  # a "small-M" kernel past its usual range
+    ("triton_tiled", 3, 100, 130, torch.float16),
+    ("triton_tma_persistent", 17, 40, 136, torch.float16),
+])
+def test_run_kernel_forces_a_kernel(name, M, N, K, dtype):
+    x, w, b = make(M, N, K, dtype)
+    assert_matches(run_kernel(name, x, w, b, "gelu"), x, w, b, "gelu")
+
+
+@pytest.mark.parametrize("name,M,N,K,dtype,match", [
+    ("triton_tma_persistent", 17, 40, 136, torch.float32, "name 'triton_tma_persistent' needs fp16/bf16"),
+    ("triton_tma_persistent", 17, 40, 130, torch.float16, "16-byte aligned"),
+    ("no_such_kernel", 3, 5, 8, torch.float32, "name must be one of"),
+] + ([("gluon_wgmma", 3, 8, 8, torch.float16, "Gluon kernel is unavailable")] if DEVICE == "cpu" else []))
+def test_run_kernel_refuses_what_the_kernel_cannot_run(name, M, N, K, dtype, match):
+    x, w, b = make(M, N, K, dtype)
+    with pytest.raises(ValueError, match=match):
+        run_kernel(name, x, w, b)
+
+
+def test_kernels_lists_every_dispatch_target():
+    assert set(KERNELS) == {"triton_small_m", "triton_tiled", "triton_tma_persistent", "gluon_wgmma"}
 
 
 def test_row_strided_view_of_x():

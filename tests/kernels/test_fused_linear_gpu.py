@@ -1,0 +1,166 @@
+"""fused_linear on a CUDA GPU: real MMAs (bf16 included), large shapes, every tuning candidate.
+
+Errors are measured against a float64 reference and compared with the error of torch's own
+``relu(F.linear)`` in the same dtype: ours may be at most twice torch's, plus one output ulp of the
+largest value (the two round and accumulate in different orders, so neither is exact).
+"""
+
+import pytest
+import torch
+
+from kernels import dispatch, fused_linear, kernel_choice, small_m, tiled, tma_persistent
+
+pytestmark = pytest.mark.gpu
+
+# One unit in the last place of each output dtype, relative.
+_OUT_ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def reference(x, weight, bias, activation):
+    """act(x @ weight^T + bias) in float64."""
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return torch.relu(y) if activation == "relu" else y
+
+
+def torch_same_dtype(x, weight, bias, activation):
+    y = torch.nn.functional.linear(x, weight, bias)
+    return torch.relu(y) if activation == "relu" else y
+
+
+def make(M, N, K, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    return x, w, b
+
+
+def poison_allocator(numel, dtype):
+    """Leave a NaN-filled block in PyTorch's caching allocator, so the next output of this size is
+    most likely carved from it: any element the kernel fails to write then reads as NaN."""
+    block = torch.full((numel,), float("nan"), device="cuda", dtype=dtype)
+    del block
+
+
+def check(out, x, w, b, activation, where):
+    ref = reference(x, w, b, activation)
+    assert out.shape == ref.shape and out.dtype == x.dtype, f"{where}: {out.shape} {out.dtype}"
+    finite = torch.isfinite(out)
+    if not finite.all():
+        idx = tuple(int(i) for i in (~finite).nonzero()[0])
+        raise AssertionError(f"{where}: {int((~finite).sum())} non-finite outputs (unwritten?), first at {idx}")
+    ours = (out.double() - ref).abs()
+    theirs = (torch_same_dtype(x, w, b, activation).double() - ref).abs().max().item()
+    # Twice torch's own error, plus one output ulp of the largest value (see the module docstring).
+    tol = 2 * theirs + _OUT_ULP[x.dtype] * ref.abs().max().item()
+    worst = ours.max().item()
+    if not worst <= tol:
+        idx = tuple(int(i) for i in (ours == ours.max()).nonzero()[0])
+        raise AssertionError(f"{where}: max error {worst:.3g} at {idx} (got {out[idx].item()!r}, want "
+                             f"{ref[idx].item()!r}) > tol {tol:.3g} (torch's error {theirs:.3g})")
+
+
+SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (3, 100, 130), (100, 1000, 700), (300, 1000, 700),
+          (130, 1024, 1024), (2048, 4096, 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_fused_linear_large_shapes(M, N, K, dtype):
+    x, w, b = make(M, N, K, dtype)
+    poison_allocator(M * N, dtype)
+    out = fused_linear(x, w, b, "relu")
+    name, config = kernel_choice(M, N, K, dtype, x.device)
+    check(out, x, w, b, "relu", f"{(M, N, K)} {dtype} via {name} [{config}]")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_no_bias_no_activation(dtype):
+    x, w, _ = make(70, 1024, 512, dtype)
+    check(fused_linear(x, w, None, "none"), x, w, None, "none", f"no bias, {dtype}")
+
+
+def _candidates(module, M, N, K):
+    return [pytest.param(module, M, N, K, cfg, id=f"{module.NAME}-{M}x{N}x{K}-{i}")
+            for i, cfg in enumerate(module.candidates(M, N, K))]
+
+
+# Every config the tuner may pick must be right, not just the winner on this GPU.
+@pytest.mark.parametrize("module,M,N,K,config",
+                         _candidates(small_m, 5, 4096, 4096) + _candidates(small_m, 64, 1000, 700)
+                         + _candidates(tiled, 300, 1000, 700) + _candidates(tma_persistent, 300, 1000, 704))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_candidate_config(module, M, N, K, config, dtype):
+    if module is tma_persistent and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA kernel is dispatched on Hopper only")
+    x, w, b = make(M, N, K, dtype)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    try:
+        module.launch(x, w, b, "relu", out, config, input_precision="ieee", upcast_bf16=False)
+    except triton_resource_errors() as e:
+        pytest.skip(f"config does not fit this GPU (the tuner skips it too): {e}")
+    check(out, x, w, b, "relu", f"{module.NAME} {config} {dtype}")
+
+
+def triton_resource_errors():
+    from triton.runtime.errors import OutOfResources, PTXASError
+    return (OutOfResources, PTXASError)
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_fp32_follows_torch_tf32_flag(allow_tf32):
+    x, w, b = make(64, 1024, 4096, torch.float32)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        out = fused_linear(x, w, b, "relu")
+        for big in (x, torch.cat([x] * 3)):  # M=64 (small-M kernel) and M=192 (tiled kernel)
+            out = fused_linear(big, w, b, "relu")
+            check(out, big, w, b, "relu", f"fp32 M={big.shape[0]} allow_tf32={allow_tf32}")
+            if not allow_tf32:
+                # IEEE fp32: about 1e-6 relative at K=4096; TF32 would be ~1e-3.
+                rel = ((out.double() - reference(big, w, b, "relu")).abs().max()
+                       / reference(big, w, b, "relu").abs().max()).item()
+                assert rel < 1e-5, f"fp32 with allow_tf32=False: relative error {rel:.3g} looks like TF32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_three_dim_and_strided_x():
+    x, w, b = make(2 * 3 * 5, 256, 128, torch.bfloat16)
+    x3 = x.reshape(2, 15, 128)
+    check(fused_linear(x3, w, b).reshape(30, 256), x, w, b, "relu", "3-D x")
+    wide = torch.randn(70, 200, device="cuda").to(torch.bfloat16)
+    xs = wide[:, 7:135]  # row stride 200, not 16-byte aligned at its start: no TMA for this view
+    check(fused_linear(xs, w, b), xs, w, b, "relu", "strided x")
+
+
+def test_dispatch_on_this_gpu():
+    major = torch.cuda.get_device_capability()[0]
+    assert kernel_choice(8, 4096, 4096, torch.bfloat16, "cuda")[0] == dispatch.SMALL_M
+    big = kernel_choice(512, 4096, 4096, torch.bfloat16, "cuda")[0]
+    assert big == (dispatch.TMA_PERSISTENT if major == 9 else dispatch.TILED)
+    assert kernel_choice(512, 4096, 4096, torch.float32, "cuda")[0] == dispatch.TILED
+
+
+def test_config_reported_after_tuning():
+    x, w, b = make(33, 512, 256, torch.float16)
+    fused_linear(x, w, b)
+    name, config = kernel_choice(33, 512, 256, torch.float16, x.device)
+    assert name == dispatch.SMALL_M and "BLOCK_N=" in config, (name, config)
+
+
+def test_cpu_tensors_need_the_interpreter():
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="x is a CPU tensor"):
+        fused_linear(x, torch.randn(4, 8))
+
+
+def test_repeat_calls_are_deterministic():
+    # Split-K partial sums are added in a fixed order: bit-identical results call after call.
+    x, w, b = make(4, 4096, 4096, torch.bfloat16)
+    first = fused_linear(x, w, b)
+    for _ in range(3):
+        assert torch.equal(fused_linear(x, w, b), first)
