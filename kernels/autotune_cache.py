@@ -44,8 +44,11 @@ class TuneCache:
     def _read(self):
         if not self.path.exists():
             return {}
-        with open(self.path) as f:
-            return json.load(f)
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tune cache {self.path} is not valid JSON ({e}); delete it to re-tune") from e
 
     def get(self, key):
         return self._configs.get(key)

@@ -80,5 +80,12 @@ def test_tune_cache_survives_a_restart(monkeypatch, tmp_path):
     assert autotune_cache.TuneCache("other gpu").get("k") is None
 
 
+def test_corrupt_tune_cache_says_which_file(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune_cache.ENV_VAR, str(tmp_path))
+    autotune_cache.TuneCache("gpu").path.write_text("{not json")
+    with pytest.raises(ValueError, match="tune cache .*gpu-triton.*delete it"):
+        autotune_cache.TuneCache("gpu")
+
+
 def test_config_str():
     assert autotune_cache.config_str({"BLOCK_M": 64, "num_warps": 4}) == "BLOCK_M=64,num_warps=4"

@@ -1,0 +1,366 @@
+"""Benchmark fusedserve's fused linear kernels against torch's ways to compute relu(x @ W^T + b).
+
+Run on a CUDA GPU from the repository root:
+
+    python bench/kernels.py --out DIR [--quick]
+
+Writes ``DIR/kernels_h200.json`` ({"gpu", "date", "torch", "triton", "copy_tbps", "matmul_tflops",
+"rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops", "tbps", ...}]}) and
+``DIR/kernels_h200.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the matmul peak,
+both measured in the same run), and prints a table plus the targets of issue 3.
+
+Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
+replays of many calls that cycle over enough (x, W, b) sets that each call finds its weights out of
+L2 (cold L2, as in serving, where other layers run in between). The reported time is the median
+over repeats of (replay time / calls), so Python launch cost is not counted for anyone.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from kernels import KERNELS, fused_linear, kernel_choice, run_kernel  # noqa: E402
+
+FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
+QUICK_MS = (1, 4, 16, 32, 128, 512, 1024, 4096)
+FP32_MS = (1, 16, 256, 4096)
+# torch.compile(max-autotune) takes tens of seconds per shape: only these batch sizes, N=K=4096.
+COMPILE_MS = (1, 16, 128, 1024, 8192)
+COMPILE_BUDGET_S = 150
+# More than the H200's 50 MB of L2 per sweep of the sets, so every call reads its weights from HBM.
+COLD_BYTES = 128 * 2**20
+MAX_SETS = 64
+# A graph replay should last a few hundred microseconds, so event resolution does not matter.
+REPLAY_TARGET_US = 400
+MAX_CALLS = 64
+# Relative error (to the largest reference value) an impl may show before it is reported wrong:
+# a few output roundings of that dtype; a wrong config or a missing bias/activation is far above.
+CHECK_RTOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+BASELINES = ("torch_unfused", "cublaslt_fused")
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def relu_linear(x, w, b):
+    return torch.relu(F.linear(x, w, b))
+
+
+def fixed_impls():
+    return {
+        "fusedserve": lambda x, w, b: fused_linear(x, w, b, "relu"),
+        "torch_unfused": relu_linear,
+        "cublaslt_fused": lambda x, w, b: torch._addmm_activation(b, x, w.t()),
+    }
+
+
+def make_sets(M, N, K, dtype):
+    """Enough independent (x, W, b) sets that a sweep over them exceeds L2."""
+    set_bytes = (M * K + N * K + N) * dtype.itemsize
+    count = max(2, min(MAX_SETS, math.ceil(COLD_BYTES / set_bytes)))
+    sets = []
+    for _ in range(count):
+        x = torch.randn(M, K, device="cuda").to(dtype)
+        w = (torch.randn(N, K, device="cuda") / math.sqrt(K)).to(dtype)
+        b = torch.randn(N, device="cuda").to(dtype)
+        sets.append((x, w, b))
+    return sets
+
+
+def check(fn, x, w, b):
+    """Max error relative to the largest reference value; raises if the impl is wrong."""
+    acc = torch.float64 if x.dtype == torch.float32 else torch.float32
+    ref = torch.relu(x.to(acc) @ w.to(acc).T + b.to(acc))
+    y = fn(x, w, b)
+    if y.shape != ref.shape or y.dtype != x.dtype:
+        raise AssertionError(f"output {tuple(y.shape)} {y.dtype}, want {tuple(ref.shape)} {x.dtype}")
+    rel = ((y.to(acc) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    if not rel <= CHECK_RTOL[x.dtype]:
+        raise AssertionError(f"relative error {rel:.3g} > {CHECK_RTOL[x.dtype]}")
+    return rel
+
+
+def estimate_us(M, N, K, dtype):
+    """Rough duration of one call (roofline at 3 TB/s and 500 TFLOP/s), to size the graph."""
+    moved = (M * K + N * K + M * N) * dtype.itemsize
+    return max(moved / 3e12, 2 * M * N * K / 500e12) * 1e6 + 2
+
+
+def time_graph(fn, sets, calls, repeats):
+    """Median microseconds per call over ``repeats`` replays of a graph of ``calls`` calls."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(samples)
+
+
+def measure(fn, sets, M, N, K, dtype, repeats):
+    """Check once, warm every set (compiles and tunes outside the capture), then time."""
+    rel = check(fn, *sets[0])
+    for s in sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    calls = max(len(sets), min(MAX_CALLS, math.ceil(REPLAY_TARGET_US / estimate_us(M, N, K, dtype))))
+    calls = math.ceil(calls / len(sets)) * len(sets)
+    return time_graph(fn, sets, calls, repeats), rel
+
+
+def row(M, N, K, dtype, impl, us, **extra):
+    moved = (M * K + N * K + M * N + N) * dtype.itemsize
+    return dict(M=M, N=N, K=K, dtype=str(dtype).removeprefix("torch."), impl=impl, median_us=round(us, 3),
+                tflops=round(2 * M * N * K / us / 1e6, 2), tbps=round(moved / us / 1e6, 3), **extra)
+
+
+def impls_for(M, N, K, dtype, compiled, forced):
+    """The impls to time at this shape: the fixed ones, torch.compile where chosen, and each
+    fusedserve kernel other than the one fusedserve dispatches to (where it can run)."""
+    impls = fixed_impls()
+    if compiled is not None:
+        impls["torch_compile"] = compiled
+    if forced:
+        chosen = kernel_choice(M, N, K, dtype, "cuda")[0]
+        for name in KERNELS:
+            # The weight-streaming kernel past a few hundred rows only burns benchmark time.
+            if name != chosen and not (name == "triton_small_m" and M > 512):
+                impls[f"fusedserve_{name.removeprefix('triton_').removesuffix('_wgmma')}"] = (
+                    lambda x, w, b, name=name: run_kernel(name, x, w, b, "relu"))
+    return impls
+
+
+def bench_shape(M, N, K, dtype, impls, repeats):
+    rows = []
+    sets = make_sets(M, N, K, dtype)
+    for impl, fn in impls.items():
+        try:
+            us, rel = measure(fn, sets, M, N, K, dtype, repeats)
+        except ValueError as e:
+            if impl.startswith("fusedserve_") and str(e).startswith("name "):
+                continue  # run_kernel: that kernel cannot run this shape (e.g. no Gluon off Hopper)
+            log(f"  !! {impl} M={M} N={N} K={K} {dtype}: ValueError: {str(e)[:300]}")
+            rows.append(dict(M=M, N=N, K=K, dtype=str(dtype).removeprefix("torch."), impl=impl, error=str(e)[:500]))
+            continue
+        except Exception as e:  # a failed impl is reported in the results, and the others still run
+            log(f"  !! {impl} M={M} N={N} K={K} {dtype}: {type(e).__name__}: {str(e)[:300]}")
+            rows.append(dict(M=M, N=N, K=K, dtype=str(dtype).removeprefix("torch."), impl=impl, error=str(e)[:500]))
+            continue
+        extra = dict(max_rel_err=float(f"{rel:.3g}"))
+        if impl == "fusedserve":
+            extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda")
+        rows.append(row(M, N, K, dtype, impl, us, **extra))
+    del sets
+    torch.cuda.empty_cache()
+    return rows
+
+
+def copy_bandwidth_tbps():
+    """Device-to-device copy of 1 GiB: bytes read + written per second."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3) / 1e12
+
+
+def matmul_peak_tflops():
+    """bf16 8192^3 matmul, torch's (cuBLAS) best."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+class CompileCache:
+    """torch.compile(max-autotune) of relu(F.linear), one per (N, K, dtype), within a time budget."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+        self.spent = 0.0
+        self.compiled = {}
+
+    def get(self, M, N, K, dtype):
+        if not self.enabled or M not in COMPILE_MS or (N, K) != (4096, 4096) or dtype == torch.float32:
+            return None
+        if self.spent > COMPILE_BUDGET_S:
+            log(f"  torch_compile skipped at M={M}: compile budget of {COMPILE_BUDGET_S} s spent")
+            return None
+        key = (N, K, dtype)
+        if key not in self.compiled:
+            self.compiled[key] = torch.compile(relu_linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+        fn = self.compiled[key]
+
+        def timed(x, w, b):  # charge the first (compiling) call at each shape to the budget
+            t0 = time.perf_counter()
+            y = fn(x, w, b)
+            self.spent += time.perf_counter() - t0
+            return y
+
+        return timed
+
+
+def plan(quick):
+    """(M, N, K, dtype) in the order measured: the headline shape first, in case time runs out."""
+    shapes = []
+    if quick:
+        shapes += [(M, 4096, 4096, dt) for dt in (torch.bfloat16, torch.float16) for M in QUICK_MS]
+        shapes += [(M, 11008, 4096, torch.bfloat16) for M in (1, 16, 1024)]
+        shapes += [(M, 4096, 4096, torch.float32) for M in (1, 1024)]
+        return shapes
+    for N, K in FULL_NK:
+        for dt in (torch.bfloat16, torch.float16):
+            shapes += [(M, N, K, dt) for M in FULL_MS]
+        if (N, K) == (4096, 4096):
+            shapes += [(M, N, K, torch.float32) for M in FP32_MS]
+    return shapes
+
+
+def print_table(rows):
+    ok = [r for r in rows if "median_us" in r]
+    impls = list(dict.fromkeys(r["impl"] for r in ok))
+    log("\nmedian us per call (cold L2); speedup = best of " + "/".join(BASELINES) + " / fusedserve")
+    log(f"{'dtype':>8} {'N':>6} {'K':>6} {'M':>5} " + " ".join(f"{i[:14]:>14}" for i in impls) + "  speedup  kernel")
+    by_shape = {}
+    for r in ok:
+        by_shape.setdefault((r["dtype"], r["N"], r["K"], r["M"]), {})[r["impl"]] = r
+    for (dt, N, K, M), cells in by_shape.items():
+        line = f"{dt:>8} {N:>6} {K:>6} {M:>5} " + " ".join(
+            f"{cells[i]['median_us']:>14.2f}" if i in cells else f"{'-':>14}" for i in impls)
+        base = [cells[b]["median_us"] for b in BASELINES if b in cells]
+        if "fusedserve" in cells and base:
+            line += f"  {min(base) / cells['fusedserve']['median_us']:6.2f}x  {cells['fusedserve'].get('kernel', '')}"
+        log(line)
+
+
+def print_targets(rows):
+    """Issue 3's targets at N=K=4096, each marked met or missed."""
+    cells = {}
+    for r in rows:
+        if "median_us" in r and r["N"] == 4096 and r["K"] == 4096:
+            cells.setdefault((r["dtype"], r["M"]), {})[r["impl"]] = r["median_us"]
+    log("\ntargets (N=K=4096):")
+    for (dt, M), c in sorted(cells.items()):
+        if "fusedserve" not in c:
+            continue
+        ours = c["fusedserve"]
+        if dt == "float32":
+            if "torch_unfused" in c:
+                verdict(f"{dt} M={M}: not slower than relu(F.linear)", ours <= c["torch_unfused"],
+                        f"{ours:.2f} vs {c['torch_unfused']:.2f} us")
+            continue
+        best = min((c[b] for b in BASELINES if b in c), default=None)
+        if best is None:
+            continue
+        if M <= 16:
+            verdict(f"{dt} M={M}: <= 9.9 us and >= 1.35x baselines", ours <= 9.9 and best / ours >= 1.35,
+                    f"{ours:.2f} us, {best / ours:.2f}x")
+        elif M <= 512:
+            verdict(f"{dt} M={M}: >= 1.0x baselines", best / ours >= 1.0, f"{best / ours:.2f}x")
+        elif "cublaslt_fused" in c:
+            verdict(f"{dt} M={M}: >= 1.0x cublaslt_fused", c["cublaslt_fused"] / ours >= 1.0,
+                    f"{c['cublaslt_fused'] / ours:.2f}x")
+
+
+def verdict(what, met, detail):
+    log(f"  {'MET ' if met else 'MISS'} {what} ({detail})")
+
+
+def plot(rows, copy_tbps, peak_tflops, path):
+    try:
+        import matplotlib
+    except ImportError:
+        log(f"matplotlib is not installed: no plot written to {path} (the JSON has every number)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "median_us" in r and r["dtype"] in ("bfloat16", "float16")]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    ax = axes[0]
+    ai = [2**i for i in range(-2, 14)]
+    ax.plot(ai, [min(peak_tflops, copy_tbps * a) for a in ai], "k-", label="roof (measured copy BW, bf16 peak)")
+    for impl in dict.fromkeys(r["impl"] for r in ok):
+        pts = [r for r in ok if r["impl"] == impl]
+        ax.scatter([r["tflops"] / r["tbps"] for r in pts], [r["tflops"] for r in pts], s=12, label=impl)
+    ax.set(xscale="log", yscale="log", xlabel="FLOP per byte moved", ylabel="TFLOP/s",
+           title="roofline, fp16/bf16, all shapes")
+    ax.legend(fontsize=7)
+    head = [r for r in ok if r["dtype"] == "bfloat16" and r["N"] == 4096 and r["K"] == 4096]
+    for ax, key, roof, unit in ((axes[1], "tbps", copy_tbps, "TB/s"), (axes[2], "tflops", peak_tflops, "TFLOP/s")):
+        for impl in dict.fromkeys(r["impl"] for r in head):
+            pts = sorted((r["M"], r[key]) for r in head if r["impl"] == impl)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=impl)
+        ax.axhline(roof, color="k", ls="--", label=f"measured {roof:.1f} {unit}")
+        ax.set(xscale="log", xlabel="M (batch rows)", ylabel=unit, title=f"bf16 N=K=4096: {unit}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{torch.cuda.get_device_name()}: relu(x @ W^T + b), cold L2")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="directory for the JSON and PNG")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats, no torch.compile")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting new shapes after this many seconds (default 180 quick, 480 full)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+    budget = args.budget_s or (180 if args.quick else 480)
+    repeats = 7 if args.quick else 15
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
+    log(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.2f} TB/s, bf16 matmul {peak:.0f} TFLOP/s")
+    compile_cache = CompileCache(enabled=not args.quick)
+    rows, shapes, truncated = [], plan(args.quick), False
+    for i, (M, N, K, dtype) in enumerate(shapes, 1):
+        if time.perf_counter() - t0 > budget:
+            log(f"time budget of {budget:.0f} s spent: stopping before shape {i}/{len(shapes)}")
+            truncated = True
+            break
+        forced = dtype != torch.float32 and (not args.quick or (N, K) == (4096, 4096))
+        impls = impls_for(M, N, K, dtype, compile_cache.get(M, N, K, dtype), forced)
+        new = bench_shape(M, N, K, dtype, impls, repeats)
+        rows += new
+        cells = ", ".join(f"{r['impl']} {r['median_us']:.1f}" for r in new if "median_us" in r)
+        log(f"[{i}/{len(shapes)} {time.perf_counter() - t0:5.0f}s] M={M} N={N} K={K} "
+            f"{str(dtype).removeprefix('torch.')}: {cells}")
+
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                  torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
+                  copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
+    path = args.out / "kernels_h200.json"
+    path.write_text(json.dumps(result, indent=1))
+    log(f"wrote {path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
+    plot(rows, copy_tbps, peak, args.out / "kernels_h200.png")
+    print_table(rows)
+    print_targets(rows)
+
+
+if __name__ == "__main__":
+    main()
