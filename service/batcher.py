@@ -26,7 +26,7 @@ class BatchRecorder(Protocol):
     def record_batch(self, model: str, rows: int, waits: list[float], compute_s: float) -> None: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # eq=False: the queue finds an item by identity
 class _Pending:
     x: np.ndarray  # [rows, in] float32
     future: asyncio.Future
@@ -83,17 +83,26 @@ class Batcher:
                 f"model {self.runner.name!r} has {self._queued_rows} rows queued (limit "
                 f"{self.max_queue_rows}); retry shortly", headers={"Retry-After": "1"})
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(x, future, time.monotonic()))
+        item = _Pending(x, future, time.monotonic())
+        self._queue.append(item)
         self._queued_rows += rows
         self._wake.set()
         try:
-            # wait_for cancels the future on timeout or when the caller is cancelled; the loop then
-            # drops the request if its batch has not started.
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"no answer from model {self.runner.name!r} within {timeout_s * 1000:.0f} ms; "
                 "raise the timeout or retry when the server is less loaded") from None
+        finally:
+            if future.cancelled():  # timed out or the caller went away: free its queue rows now
+                self._discard(item)
+
+    def _discard(self, item: _Pending) -> None:
+        try:
+            self._queue.remove(item)
+        except ValueError:  # already taken into a batch, whose answer is then dropped
+            return
+        self._queued_rows -= item.x.shape[0]
 
     async def _loop(self) -> None:
         idle = True
@@ -130,10 +139,6 @@ class Batcher:
         while self._queue:
             item = self._queue[0]
             n = item.x.shape[0]
-            if item.future.done():  # timed out or its client went away: never computed
-                self._queue.popleft()
-                self._queued_rows -= n
-                continue
             if rows + n > self.max_batch_size:
                 break
             self._queue.popleft()

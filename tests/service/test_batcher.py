@@ -183,3 +183,19 @@ async def test_stop_answers_queued_requests():
     await stopping
     assert (await queued).shape == (2, OUT)
     assert (await first).shape == (1, OUT)
+
+
+async def test_timed_out_request_frees_its_queue_rows_at_once():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner, max_batch_size=4, max_queue_rows=4)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)
+    with pytest.raises(DeadlineExceeded):
+        await b.submit(rows(4), timeout_s=0.02)
+    assert b.queued_rows == 0, f"{b.queued_rows} rows of a timed-out request still count against the cap"
+    later = asyncio.ensure_future(b.submit(rows(4)))  # would be 503 if the dead rows still counted
+    gate.set()
+    await asyncio.gather(first, later)
+    assert runner.batches == [1, 4], runner.batches
+    await b.stop()
