@@ -10,6 +10,8 @@ import torch
 from kernels.timing import LayerTiming, PendingEvents, TimingSink
 from models.mlp import MLP
 
+FUSED_LAYER = "fused_mlp"  # the launch-site name of the one-launch whole-model kernel
+
 log = logging.getLogger(__name__)
 
 
@@ -34,6 +36,11 @@ class ModelRunner:
     then captures one CUDA graph per bucket (capturing only after tuning: timing configs inside a
     capture would break it). If a capture fails, the runner logs why and launches eagerly.
 
+    ``fused``: with the triton backend, a model whose widths all fit ``kernels.fused_mlp.MAX_WIDTH``
+    runs as one launch of the whole-model kernel (``kernels.fused_mlp``; normalization included)
+    instead of one launch per layer. ``None`` = whenever it fits; its timings then come as one
+    ``LayerTiming`` per batch with layer ``"fused_mlp"``, ``N = out_features``, ``K = in_features``.
+
     Timings (one ``LayerTiming`` per layer launch, to ``timing_sink``):
     - CPU: ``time.perf_counter`` around each layer (the CPU computes synchronously).
     - CUDA, eager: CUDA events around each layer, kept pending and resolved at a later ``run`` once
@@ -47,7 +54,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: MLP, *, max_batch_size: int, timing_sink: TimingSink | None = None,
-                 cuda_graphs: bool | None = None, timing_sample_every: int = 16):
+                 cuda_graphs: bool | None = None, timing_sample_every: int = 16,
+                 fused: bool | None = None):
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a models.MLP, got {type(model).__name__}")
         for name, value in (("max_batch_size", max_batch_size), ("timing_sample_every", timing_sample_every)):
@@ -68,6 +76,14 @@ class ModelRunner:
             raise ValueError(f"cuda_graphs=True needs a model on CUDA; {self.name!r} is on {self.device}")
         self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
         self.buckets = batch_buckets(max_batch_size)
+        self.fused = self._use_fused(fused)
+        self._packed = None
+        if self.fused:
+            from kernels.fused_mlp import pack_mlp
+
+            layers = model.layers
+            self._packed = pack_mlp([l.weight for l in layers], [l.bias for l in layers],
+                                    model.config.activation)
         self._input = torch.zeros(max_batch_size, self.in_features, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._warm: set[int] = set()
@@ -134,22 +150,47 @@ class ModelRunner:
         return rows
 
     def _forward(self, bucket: int, rows: int | None) -> torch.Tensor:
-        """The model on the first ``bucket`` input rows, layer by layer; timed when ``rows`` is set."""
-        h = self.model.normalize(self._input[:bucket])  # [bucket, in]
+        """The model on the first ``bucket`` input rows; each launch timed when ``rows`` is set."""
+        x = self._input[:bucket]  # [bucket, in], raw float32
+        if self.fused:
+            from kernels.fused_mlp import fused_mlp
+
+            model = self.model
+            return self._launch(None, bucket, rows, lambda: fused_mlp(
+                x, self._packed, model.input_shift, model.input_scale))  # [bucket, out]
+        h = self.model.normalize(x)  # [bucket, in], model dtype
         for i, layer in enumerate(self.model.layers):
-            if rows is None:
-                h = layer(h)
-            elif self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                h = layer(h)
-                end.record()
-                self._pending.add(self._timing(i, rows, bucket, 0.0), start, end)
-            else:
-                start = time.perf_counter()
-                h = layer(h)
-                self._emit([self._timing(i, rows, bucket, time.perf_counter() - start)])
+            h = self._launch(i, bucket, rows, lambda layer=layer, h=h: layer(h))
         return h  # [bucket, out]
+
+    def _launch(self, layer_index: int | None, bucket: int, rows: int | None, compute):
+        """``compute()``, timed as layer ``layer_index`` (None: the fused kernel) when ``rows`` is set."""
+        if rows is None:
+            return compute()
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = compute()
+            end.record()
+            self._pending.add(self._timing(layer_index, rows, bucket, 0.0), start, end)
+            return out
+        start = time.perf_counter()
+        out = compute()
+        self._emit([self._timing(layer_index, rows, bucket, time.perf_counter() - start)])
+        return out
+
+    def _use_fused(self, fused: bool | None) -> bool:
+        if fused is False or (fused is None and self.backend != "triton"):
+            return False
+        from kernels.fused_mlp import fused_mlp_supported
+
+        fits = self.backend == "triton" and fused_mlp_supported(self.model.config.widths, self.dtype,
+                                                                self.device)
+        if fused and not fits:
+            raise ValueError(f"fused=True but model {self.name!r} (widths {self.model.config.widths}, "
+                             f"{self.dtype}, backend {self.backend}, {self.device}) does not fit the "
+                             "fused MLP kernel: it needs the triton backend and narrow layers")
+        return fits
 
     def _warm_bucket(self, bucket: int) -> None:
         with torch.no_grad():
@@ -175,25 +216,32 @@ class ModelRunner:
             return
         self._graphs[bucket] = (graph, out)
 
-    def _timing(self, layer_index: int, rows: int, bucket: int, seconds: float) -> LayerTiming:
-        layer = self.model.layers[layer_index]
+    def _timing(self, layer_index: int | None, rows: int, bucket: int, seconds: float) -> LayerTiming:
         kernel, config = self._kernel(layer_index, bucket)
-        return LayerTiming(model=self.name, layer=f"layers.{layer_index}", rows=rows, M=bucket,
-                           N=layer.out_features, K=layer.in_features,
+        if layer_index is None:
+            name, N, K = FUSED_LAYER, self.out_features, self.in_features
+        else:
+            layer = self.model.layers[layer_index]
+            name, N, K = f"layers.{layer_index}", layer.out_features, layer.in_features
+        return LayerTiming(model=self.name, layer=name, rows=rows, M=bucket, N=N, K=K,
                            dtype=str(self.dtype).removeprefix("torch."), backend=self.backend,
                            kernel=kernel, config=config, seconds=seconds)
 
-    def _kernel(self, layer_index: int, bucket: int) -> tuple[str, str]:
+    def _kernel(self, layer_index: int | None, bucket: int) -> tuple[str, str]:
         key = (layer_index, bucket)
         if key in self._kernels:
             return self._kernels[key]
-        layer = self.model.layers[layer_index]
-        if self.backend == "torch":
-            choice = ("torch.linear" if layer.activation == "none"
-                      else f"torch.linear+{layer.activation}", "")
+        if layer_index is None:
+            from kernels import fused_mlp
+
+            choice = (fused_mlp.NAME, fused_mlp.config_str(fused_mlp.fused_mlp_config(bucket)))
+        elif self.backend == "torch":
+            activation = self.model.layers[layer_index].activation
+            choice = ("torch.linear" if activation == "none" else f"torch.linear+{activation}", "")
         else:
             import kernels
 
+            layer = self.model.layers[layer_index]
             choice = kernels.kernel_choice(bucket, layer.out_features, layer.in_features, self.dtype,
                                            self.device)
         if choice[1] or self.backend == "torch":  # "" = not tuned yet: ask again next time

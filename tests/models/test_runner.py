@@ -108,14 +108,23 @@ def test_bad_arguments_are_rejected():
         ModelRunner(make_model(), max_batch_size=4, cuda_graphs=True)
 
 
-def test_triton_backend_under_the_interpreter_matches_torch():
+@pytest.mark.parametrize("fused", [False, True])
+def test_triton_backend_under_the_interpreter_matches_torch(fused):
     if torch.cuda.is_available():
-        pytest.skip("the CUDA version of this check is test_triton_backend_matches_torch_on_gpu")
+        pytest.skip("the CUDA version of this check is in test_runner_gpu.py")
     sink = ListSink()
     reference = make_model()
-    fused = make_model(backend="triton")
-    runner = ModelRunner(fused, max_batch_size=8, timing_sink=sink)
+    runner = ModelRunner(make_model(backend="triton"), max_batch_size=8, timing_sink=sink, fused=fused)
+    assert runner.fused is fused
     x = torch.randn(3, 17)
     # float32 with ieee dots in the interpreter: only summation order differs.
     torch.testing.assert_close(runner.run(x), reference(x), rtol=1e-5, atol=1e-5)
-    assert all(t.backend == "triton" and t.kernel and t.config for t in sink.timings), sink.timings
+    expected = [("fused_mlp", 5, 17)] if fused else [("layers.0", 70, 17), ("layers.1", 3, 70), ("layers.2", 5, 3)]
+    assert [(t.layer, t.N, t.K) for t in sink.timings] == expected
+    assert all(t.backend == "triton" and t.kernel and t.config and t.M == 4 for t in sink.timings), sink.timings
+
+
+def test_fused_is_only_automatic_with_the_triton_backend():
+    assert not ModelRunner(make_model(), max_batch_size=4).fused
+    with pytest.raises(ValueError, match="fused=True"):
+        ModelRunner(make_model(), max_batch_size=4, fused=True)

@@ -27,10 +27,11 @@ def make_model(backend, dtype="float32"):
     return model
 
 
-def test_graphs_on_and_off_give_equal_outputs():
+@pytest.mark.parametrize("fused", [False, True])
+def test_graphs_on_and_off_give_equal_outputs(fused):
     model = make_model("triton")
-    graphed = ModelRunner(model, max_batch_size=MAX_BATCH, cuda_graphs=True)
-    eager = ModelRunner(model, max_batch_size=MAX_BATCH, cuda_graphs=False)
+    graphed = ModelRunner(model, max_batch_size=MAX_BATCH, cuda_graphs=True, fused=fused)
+    eager = ModelRunner(model, max_batch_size=MAX_BATCH, cuda_graphs=False, fused=fused)
     graphed.warmup()
     eager.warmup()
     assert graphed.cuda_graphs, "capture fell back to eager launches: see the logged warning"
@@ -47,7 +48,7 @@ def test_graphs_on_and_off_give_equal_outputs():
 def test_timings_arrive_after_a_few_runs(cuda_graphs):
     sink = ListSink()
     runner = ModelRunner(make_model("triton"), max_batch_size=MAX_BATCH, timing_sink=sink,
-                         cuda_graphs=cuda_graphs, timing_sample_every=2)
+                         cuda_graphs=cuda_graphs, timing_sample_every=2, fused=False)
     runner.warmup()
     for _ in range(8):
         runner.run(torch.randn(17, 100))
@@ -65,6 +66,23 @@ def test_timings_arrive_after_a_few_runs(cuda_graphs):
     assert [(t.N, t.K) for t in sink.timings[:3]] == [(256, 100), (70, 256), (10, 70)]
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_fused_kernel_timings_arrive(cuda_graphs):
+    sink = ListSink()
+    runner = ModelRunner(make_model("triton"), max_batch_size=MAX_BATCH, timing_sink=sink,
+                         cuda_graphs=cuda_graphs, timing_sample_every=2)
+    assert runner.fused, "a 100-256-70-10 model should take the fused MLP kernel"
+    runner.warmup()
+    for _ in range(8):
+        runner.run(torch.randn(3, 100))
+    runner.flush_timings()
+    assert len(sink.timings) == (4 if cuda_graphs else 8), sink.timings
+    for t in sink.timings:
+        assert (t.layer, t.rows, t.M, t.N, t.K, t.kernel) == ("fused_mlp", 3, 4, 10, 100, "triton_fused_mlp"), t
+        assert t.config and 0 < t.seconds < 0.1, t
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype, tol", [
     # fp32 with TF32 off (torch's default): ieee dots, only summation order differs.
     ("float32", 1e-4),
@@ -72,13 +90,13 @@ def test_timings_arrive_after_a_few_runs(cuda_graphs):
     ("float16", 1e-2),
     ("bfloat16", 5e-2),
 ])
-def test_triton_backend_matches_torch_on_gpu(dtype, tol):
-    fused = ModelRunner(make_model("triton", dtype), max_batch_size=MAX_BATCH)
+def test_triton_backend_matches_torch_on_gpu(dtype, tol, fused):
+    fused_runner = ModelRunner(make_model("triton", dtype), max_batch_size=MAX_BATCH, fused=fused)
     reference = ModelRunner(make_model("torch", dtype), max_batch_size=MAX_BATCH)
-    fused.warmup()
+    fused_runner.warmup()
     reference.warmup()
     torch.manual_seed(2)
     for rows in (1, 3, 17, MAX_BATCH):
         x = torch.randn(rows, 100)
-        torch.testing.assert_close(fused.run(x), reference.run(x), rtol=tol, atol=tol,
-                                   msg=lambda m: f"{dtype} rows={rows}: {m}")
+        torch.testing.assert_close(fused_runner.run(x), reference.run(x), rtol=tol, atol=tol,
+                                   msg=lambda m: f"{dtype} fused={fused} rows={rows}: {m}")

@@ -1,0 +1,136 @@
+"""The one-launch MLP kernel against a layer-by-layer torch reference (interpreter on the CPU,
+the real kernel on a GPU), its argument checks, and its sm_90 compile (no register spills)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.fused_mlp import MAX_WIDTH, fused_mlp, fused_mlp_config, pack_mlp
+
+
+def reference_mlp(x, weights, biases, shift, scale, activation="relu"):
+    """Normalize in fp32, round to the model dtype, then act(F.linear) per layer, none on the last."""
+    h = ((x - shift) * scale).to(weights[0].dtype)
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        h = F.linear(h, w, b)
+        if i < len(weights) - 1:
+            h = F.relu(h) if activation == "relu" else h
+    return h
+
+
+def random_mlp(widths, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weights = [(torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+               for k, n in zip(widths[:-1], widths[1:])]
+    biases = [(0.1 * torch.randn(n, generator=g)).to(device, dtype) for n in widths[1:]]
+    shift = torch.randn(widths[0], generator=g).to(device)
+    scale = (torch.rand(widths[0], generator=g) + 0.5).to(device)
+    return weights, biases, shift, scale
+
+
+def check(widths, rows, dtype, device, tol):
+    weights, biases, shift, scale = random_mlp(widths, dtype, device)
+    x = 3 * torch.randn(rows, widths[0], device=device)
+    got = fused_mlp(x, pack_mlp(weights, biases, "relu"), shift, scale)
+    want = reference_mlp(x, weights, biases, shift, scale)
+    assert got.dtype == dtype and got.shape == (rows, widths[-1])
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol,
+                               msg=lambda m: f"widths={widths} rows={rows} {dtype}: {m}")
+
+
+# Interpreter: tiny awkward shapes only (it is slow); bf16 dots are upcast to fp32 there (its bf16
+# tl.dot is wrong), so bf16 checks the loads, stores and rounding points, not bf16 tensor cores.
+@pytest.mark.parametrize("widths", [(17, 5), (3, 70, 5), (17, 70, 3, 5), (1, 17, 100, 3, 1)])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("dtype, tol", [
+    (torch.float32, 1e-5),  # ieee fp32 on both sides: summation order only
+    (torch.float16, 2e-3),  # same rounding points; fp32 vs torch CPU accumulation order: ~1 fp16 ulp
+    (torch.bfloat16, 3e-2),  # one bf16 ulp is 2**-8 relative; values up to ~4 after a few layers
+])
+def test_fused_mlp_matches_layer_by_layer_on_cpu(widths, rows, dtype, tol):
+    if torch.cuda.is_available():
+        pytest.skip("the GPU version is test_fused_mlp_matches_layer_by_layer_on_gpu")
+    check(widths, rows, dtype, "cpu", tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths", [(64, 256, 256, 10), (100, 512, 70, 512, 3), (130, 17)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 100, 130, 4096])
+@pytest.mark.parametrize("dtype, tol", [
+    (torch.float32, 1e-4),  # TF32 off (torch's default): ieee on both sides, summation order only
+    (torch.float16, 1e-2),  # fp16 outputs (2**-11) rounded at each layer, K up to 512
+    (torch.bfloat16, 6e-2),  # bf16 (2**-8) at each layer; both sides accumulate in fp32
+])
+def test_fused_mlp_matches_layer_by_layer_on_gpu(widths, rows, dtype, tol):
+    check(widths, rows, dtype, "cuda", tol)
+
+
+def test_bad_arguments_are_rejected():
+    weights, biases, shift, scale = random_mlp((3, 5, 2), torch.float32, "cpu")
+    packed = pack_mlp(weights, biases, "relu")
+    with pytest.raises(ValueError, match=r"x must be float32 \[M >= 1, 3\]"):
+        fused_mlp(torch.randn(2, 4), packed, shift, scale)
+    with pytest.raises(ValueError, match="x must be float32"):
+        fused_mlp(torch.randn(2, 3, dtype=torch.float64), packed, shift, scale)
+    with pytest.raises(ValueError, match="scale"):
+        fused_mlp(torch.randn(2, 3), packed, shift, scale[:2])
+    with pytest.raises(ValueError, match=r"weights\[1\]"):
+        pack_mlp([weights[0], weights[0]], biases, "relu")
+    with pytest.raises(ValueError, match="activation"):
+        pack_mlp(weights, biases, "swish")
+    wide = random_mlp((3, MAX_WIDTH + 1, 2), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="widths"):
+        fused_mlp(torch.randn(1, 3), pack_mlp(wide[0], wide[1], "relu"), wide[2], wide[3])
+
+
+# Compiles the kernel for sm_90 and prints ptxas's report. Run in a child process: under
+# TRITON_INTERPRET=1 (this session's CPU set-up) kernels are interpreted objects that cannot compile.
+COMPILE_SM90 = """
+import subprocess, sys, triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.fused_mlp import _fused_mlp_kernel, fused_mlp_config
+
+rows, dtype = int(sys.argv[1]), sys.argv[2]
+config = dict(fused_mlp_config(rows))
+options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+signature = {"x_ptr": "*fp32", "shift_ptr": "*fp32", "scale_ptr": "*fp32", "w_ptr": f"*{dtype}",
+             "b_ptr": f"*{dtype}", "meta_ptr": "*i32", "scratch_ptr": f"*{dtype}", "y_ptr": f"*{dtype}",
+             "M": "i32", "stride_xm": "i32", "stride_sm": "i32", "stride_ym": "i32"}
+constants = dict(NUM_LAYERS=3, ACTIVATION="relu", UPCAST_BF16=False,
+                 INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **config)
+signature.update({name: "constexpr" for name in constants})
+ptx = triton.compile(ASTSource(_fused_mlp_kernel, signature, constants),
+                     target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+print("has_barrier", "bar.sync" in ptx, "has_mma", "mma" in ptx)
+with open(sys.argv[3], "w") as f:
+    f.write(ptx)
+result = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", sys.argv[3], "-o",
+                         sys.argv[3] + ".cubin"], capture_output=True, text=True, check=True)
+print(result.stderr)
+"""
+
+
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiles_for_sm90_without_register_spills(rows, dtype, tmp_path):
+    # A GPU is not needed to compile for one: this keeps every fused_mlp_config spill-free.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", COMPILE_SM90, str(rows), dtype, str(tmp_path / "k.ptx")],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"compile failed:\n{result.stderr[-3000:]}"
+    report = result.stdout
+    assert "has_barrier True" in report, "no barrier between layers: a program could read unwritten scratch"
+    if dtype == "bf16":
+        assert "has_mma True" in report, "bf16 layers should run on tensor cores"
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    assert spills is not None, f"ptxas -v printed no spill line:\n{report}"
+    assert int(spills.group(1)) == 0, f"rows={rows} {dtype}: {report}"
