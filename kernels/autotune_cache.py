@@ -74,7 +74,7 @@ def time_configs(candidates, run):
     failure = None
     for config in candidates:
         try:
-            ms = triton.testing.do_bench(lambda: run(config), warmup=5, rep=25, return_mode="median")
+            ms = triton.testing.do_bench(lambda config=config: run(config), warmup=5, rep=25, return_mode="median")
         except (OutOfResources, CompileTimeAssertionFailure, PTXASError) as e:
             failure = e
             continue

@@ -1,5 +1,7 @@
-"""Which kernel runs a given linear layer: a pure function of the shape and the device's traits,
-so the rules can be tested without a GPU."""
+"""Which kernels may run a given linear layer: a pure function of the shape and the device's traits,
+so the rules can be tested without a GPU. Where several kernels qualify, the autotuner times them
+all (with their configs) and keeps the fastest for that batch bucket (see ``kernels.fused_linear``).
+"""
 
 import torch
 
@@ -8,12 +10,13 @@ SMALL_M = "triton_small_m"
 TMA_PERSISTENT = "triton_tma_persistent"
 GLUON = "gluon_wgmma"
 
-# Up to this many rows the layer is bound by reading W (on an H200 every M below ~200 is), and the
-# weight-streaming kernel's X^T tile (16..64 wide) still covers the batch in one program column.
+# Up to this many rows the layer is bound by reading W, and the weight-streaming kernel (X^T tile
+# 16..64 wide) covers the whole batch in one program column: it is the only candidate.
 SMALL_M_MAX = 64
-# From here on a large-M GEMM is compute-bound; the hand-written Gluon WGMMA kernel is offered here.
-GLUON_MIN_M = 1024
-# Autotune keys bucket M up to this; larger batches share the biggest bucket's config.
+# Up to here (an H200 is memory-bound below M ~ 200 at N=K=4096) tiled GEMMs may leave SMs idle or
+# re-read W; the weight-streaming kernel with split-K competes with them in the tuner.
+MID_M_MAX = 512
+# Autotune keys bucket M up to this; larger batches share the biggest bucket's choice.
 M_BUCKET_CAP = 4096
 
 
@@ -24,25 +27,31 @@ def m_bucket(M):
     return min(M_BUCKET_CAP, 1 << (M - 1).bit_length())
 
 
-def choose_kernel(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False):
-    """Name of the kernel for ``act(X[M, K] @ W[N, K]^T + b)``.
+def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False):
+    """Kernel names that may run ``act(X[M, K] @ W[N, K]^T + b)``; the first is the default used
+    before (or without) tuning.
 
     ``capability`` is the CUDA compute capability ``(major, minor)``, or None under the interpreter.
     ``tma_aligned`` says whether x, W and the output meet TMA's 16-byte alignment rules.
     ``gluon_ok`` says whether the Gluon kernel imported and accepts this shape/dtype/device.
 
-    Rules, first match wins:
-      1. ``M <= SMALL_M_MAX``: ``triton_small_m`` (swap-AB weight streaming, split-K), any device.
-      2. Hopper (major 9), fp16/bf16, ``M >= GLUON_MIN_M``, ``gluon_ok`` and ``tma_aligned``:
-         ``gluon_wgmma`` (it loads through TMA too).
-      3. Hopper, fp16/bf16 and ``tma_aligned``: ``triton_tma_persistent``.
-      4. Otherwise (fp32, other GPUs, the interpreter, misaligned views): ``triton_tiled``.
+    Rules:
+      1. The base kernel: ``triton_small_m`` (swap-AB weight streaming, split-K) when
+         ``M <= SMALL_M_MAX``; else ``triton_tma_persistent`` on Hopper (major 9) for fp16/bf16
+         with ``tma_aligned``; else ``triton_tiled`` (fp32, other GPUs, the interpreter, views
+         TMA cannot read).
+      2. ``SMALL_M_MAX < M <= MID_M_MAX``: ``triton_small_m`` is added as a second candidate.
+      3. Hopper, fp16/bf16, ``tma_aligned`` and ``gluon_ok``: ``gluon_wgmma`` is added (any M).
     """
-    if M <= SMALL_M_MAX:
-        return SMALL_M
     hopper_16bit = capability is not None and capability[0] == 9 and dtype in (torch.float16, torch.bfloat16)
-    if hopper_16bit and gluon_ok and tma_aligned and M >= GLUON_MIN_M:
-        return GLUON
-    if hopper_16bit and tma_aligned:
-        return TMA_PERSISTENT
-    return TILED
+    if M <= SMALL_M_MAX:
+        kernels = [SMALL_M]
+    elif hopper_16bit and tma_aligned:
+        kernels = [TMA_PERSISTENT]
+    else:
+        kernels = [TILED]
+    if SMALL_M_MAX < M <= MID_M_MAX:
+        kernels.append(SMALL_M)
+    if hopper_16bit and tma_aligned and gluon_ok:
+        kernels.append(GLUON)
+    return tuple(kernels)

@@ -1,8 +1,8 @@
-"""Weight-streaming kernel for small batches (M up to a few dozen rows).
+"""Weight-streaming kernel for small batches (M up to a few hundred rows).
 
 At small M the GEMM is bound by reading W once (32 MiB for a 4096 x 4096 bf16 layer), so the kernel
 is built to stream W at full bandwidth: "swap AB" computes ``Y^T[N, M] = W[N, K] @ X^T[K, M]`` so N
-fills the MMA's M side (X's few rows only pad the narrow side to 16), W tiles are read along K in
+fills the MMA's M side (X's rows fill the narrow side, padded to at least 16), W tiles are read along K in
 16-byte vectors and pipelined over ``num_stages`` to keep many bytes in flight, and K is split over
 ``SPLIT_K`` programs when N alone gives too few programs to fill the GPU. Split-K partial sums go
 to an fp32 workspace and a second kernel adds them in a fixed order (deterministic, no atomics),
@@ -23,18 +23,30 @@ INTERPRET_CONFIG = dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stag
 
 
 def block_m(M):
-    """Width of the X^T tile: the MMA needs >= 16; wider tiles cover up to 64 rows per program."""
-    return min(64, max(16, triton.next_power_of_2(M)))
+    """Width of the X^T tile: the MMA needs >= 16; up to 128 rows share each W tile read."""
+    return min(128, max(16, triton.next_power_of_2(M)))
+
+
+# Shared memory the pipeline may fill (an H200 SM has 227 KB; leave room for the epilogue).
+_SMEM_BUDGET = 200 * 1024
 
 
 def candidates(M, N, K):
     """Configs worth timing for this shape: each W tile shape with the split-K that brings the
-    program count near ``_TARGET_PROGRAMS``, and half of that split."""
+    program count near ``_TARGET_PROGRAMS``, and half of that split; pipelines that cannot fit in
+    shared memory (counted for 16-bit inputs) are left out."""
     configs = []
+    bm = block_m(M)
+    column_programs = triton.cdiv(M, bm)
     for block_n, block_k, stages in ((32, 256, 4), (64, 128, 5), (64, 256, 3), (128, 128, 3), (32, 128, 6)):
+        if (block_n + bm) * block_k * 2 * stages > _SMEM_BUDGET:
+            stages = _SMEM_BUDGET // ((block_n + bm) * block_k * 2)
+            if stages < 2:
+                continue
         k_blocks = triton.cdiv(K, block_k)
         split = 1
-        while triton.cdiv(N, block_n) * split * 2 <= _TARGET_PROGRAMS and split * 2 <= k_blocks // 2:
+        while (triton.cdiv(N, block_n) * column_programs * split * 2 <= _TARGET_PROGRAMS
+               and split * 2 <= k_blocks // 2):
             split *= 2
         for s in sorted({split, max(1, split // 2)}):
             configs.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s, num_warps=4, num_stages=stages))

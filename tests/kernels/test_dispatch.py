@@ -6,35 +6,45 @@ import pytest
 import torch
 
 from kernels import autotune_cache
-from kernels.dispatch import (GLUON, GLUON_MIN_M, SMALL_M, SMALL_M_MAX, TILED, TMA_PERSISTENT, choose_kernel,
+from kernels.dispatch import (GLUON, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED, TMA_PERSISTENT, candidate_kernels,
                               m_bucket)
 
 HOPPER = (9, 0)
 AMPERE = (8, 0)
 
 
-def choose(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon_ok=False, N=4096, K=4096):
-    return choose_kernel(M, N, K, dtype, capability=capability, tma_aligned=tma_aligned, gluon_ok=gluon_ok)
+def kernels_for(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon_ok=False, N=4096, K=4096):
+    return candidate_kernels(M, N, K, dtype, capability=capability, tma_aligned=tma_aligned, gluon_ok=gluon_ok)
 
 
 @pytest.mark.parametrize("M", [1, 3, 16, 17, SMALL_M_MAX])
 @pytest.mark.parametrize("capability", [None, AMPERE, HOPPER])
 def test_small_batches_stream_weights_everywhere(M, capability):
-    assert choose(M, capability=capability, gluon_ok=True) == SMALL_M
+    assert kernels_for(M, capability=capability) == (SMALL_M,)
+    assert kernels_for(M, torch.float32, capability=capability) == (SMALL_M,)
 
 
-@pytest.mark.parametrize("M", [SMALL_M_MAX + 1, 100, 130, 4096])
-def test_hopper_16bit_aligned_large_batches_use_tma(M):
-    assert choose(M, torch.bfloat16) == TMA_PERSISTENT
-    assert choose(M, torch.float16) == TMA_PERSISTENT
+@pytest.mark.parametrize("M", [SMALL_M_MAX + 1, 100, 130, MID_M_MAX])
+def test_mid_batches_time_a_tiled_kernel_against_weight_streaming(M):
+    assert kernels_for(M, torch.bfloat16) == (TMA_PERSISTENT, SMALL_M)
+    assert kernels_for(M, torch.float16) == (TMA_PERSISTENT, SMALL_M)
+    assert kernels_for(M, torch.float32) == (TILED, SMALL_M)
+    assert kernels_for(M, capability=None) == (TILED, SMALL_M)
 
 
-def test_gluon_only_from_its_threshold_when_it_accepts_the_shape():
-    assert choose(GLUON_MIN_M, gluon_ok=True) == GLUON
-    assert choose(GLUON_MIN_M - 1, gluon_ok=True) == TMA_PERSISTENT
-    assert choose(GLUON_MIN_M, gluon_ok=False) == TMA_PERSISTENT
-    assert choose(GLUON_MIN_M, gluon_ok=True, tma_aligned=False) == TILED
-    assert choose(GLUON_MIN_M, torch.float32, gluon_ok=True) == TILED
+@pytest.mark.parametrize("M", [MID_M_MAX + 1, 1000, 8192])
+def test_large_batches_on_hopper_use_tma(M):
+    assert kernels_for(M, torch.bfloat16) == (TMA_PERSISTENT,)
+    assert kernels_for(M, torch.float16) == (TMA_PERSISTENT,)
+
+
+@pytest.mark.parametrize("M", [1, 100, 4096])
+def test_gluon_competes_where_it_accepts_the_shape(M):
+    assert kernels_for(M, gluon_ok=True)[-1] == GLUON
+    assert GLUON not in kernels_for(M, gluon_ok=False)
+    assert GLUON not in kernels_for(M, gluon_ok=True, tma_aligned=False)
+    assert GLUON not in kernels_for(M, torch.float32, gluon_ok=True)
+    assert GLUON not in kernels_for(M, capability=AMPERE, gluon_ok=True)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -45,7 +55,7 @@ def test_gluon_only_from_its_threshold_when_it_accepts_the_shape():
     dict(tma_aligned=False),  # misaligned rows or views
 ])
 def test_everything_else_gets_the_portable_kernel(kwargs):
-    assert choose(1000, **kwargs) == TILED
+    assert kernels_for(1000, **kwargs) == (TILED,)
 
 
 @pytest.mark.parametrize("M,bucket", [(1, 1), (2, 2), (3, 4), (17, 32), (64, 64), (65, 128), (4096, 4096),

@@ -1,0 +1,123 @@
+"""Picking and launching a kernel for one call: the candidate kernels (``kernels.dispatch``), the
+tuned (kernel, config) for the shape's batch bucket (timed once, then read from the tune cache,
+see ``kernels.autotune_cache``), and the launch itself.
+"""
+
+import functools
+import importlib
+
+import torch
+
+from kernels import autotune_cache, dispatch, small_m, tiled, tma_persistent
+from kernels.arguments import interpreting
+
+LAUNCHERS = {m.NAME: m for m in (tiled, small_m, tma_persistent)}
+
+
+@functools.cache
+def gluon_module():
+    """The Gluon kernel module, or None when it cannot be imported here (it is optional)."""
+    try:
+        return importlib.import_module("kernels.gluon_linear")
+    except ImportError:
+        return None
+
+
+def capability(device):
+    """CUDA compute capability, or None where kernels run in the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def gluon_ok(M, N, K, dtype, device):
+    gluon = gluon_module()
+    return (gluon is not None and capability(device) is not None
+            and bool(gluon.gluon_supported(M, N, K, dtype, device)))
+
+
+def candidates(M, N, K, dtype, device, tma_aligned):
+    return dispatch.candidate_kernels(M, N, K, dtype, capability=capability(device), tma_aligned=tma_aligned,
+                                      gluon_ok=tma_aligned and gluon_ok(M, N, K, dtype, device))
+
+
+def input_precision(dtype):
+    """``tl.dot`` precision: fp32 inputs use TF32 only when torch allows it for matmuls."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+@functools.cache
+def _tune_cache(device_name):
+    return autotune_cache.TuneCache(device_name)
+
+
+def _tune_key(kernels, M, N, K, dtype):
+    # The candidate set is part of the key: a different set (Gluon missing, say) is tuned afresh.
+    return (f"{'+'.join(kernels)}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}"
+            f"|{input_precision(dtype)}")
+
+
+def cached_choice(kernels, M, N, K, dtype, device):
+    """The tuned ``(kernel, config)`` for this bucket, or None if it has not been tuned here."""
+    if interpreting():
+        return None
+    entry = _tune_cache(torch.cuda.get_device_name(device)).get(_tune_key(kernels, M, N, K, dtype))
+    return None if entry is None else (entry["kernel"], entry["config"])
+
+
+def _launch_kw(dtype):
+    return dict(input_precision=input_precision(dtype), upcast_bf16=interpreting() and dtype == torch.bfloat16)
+
+
+def launch(name, config, x2d, weight, bias, activation):
+    """Run one kernel with one config (None for Gluon, which picks its own) into a new output."""
+    if name == dispatch.GLUON:
+        return gluon_module().gluon_fused_linear(x2d, weight, bias, activation)
+    out = torch.empty((x2d.shape[0], weight.shape[0]), device=x2d.device, dtype=x2d.dtype)
+    return LAUNCHERS[name].launch(x2d, weight, bias, activation, out, config, **_launch_kw(x2d.dtype))
+
+
+def _options(kernels, M, N, K):
+    """Every (kernel, config) the tuner times for these candidate kernels."""
+    pairs = []
+    for name in kernels:
+        if name == dispatch.GLUON:
+            pairs.append((name, None))
+        else:
+            pairs += [(name, cfg) for cfg in LAUNCHERS[name].candidates(M, N, K)]
+    return pairs
+
+
+def choose(kernels, x2d, weight, bias, activation):
+    """The ``(kernel, config)`` to run: the interpreter's fixed choice, the cached tuned one, or
+    (first call for this bucket) the fastest of every candidate kernel and config, timed now on
+    these arguments and stored. Inside a CUDA-graph capture, where timing would break the capture,
+    an untuned bucket runs the first candidate's first config and nothing is stored (the model
+    runner warms every bucket before capturing)."""
+    M, K = x2d.shape
+    N = weight.shape[0]
+    if interpreting():  # (check_args lets CPU tensors through only then)
+        name = kernels[0]
+        return name, None if name == dispatch.GLUON else LAUNCHERS[name].INTERPRET_CONFIG
+    tuned = cached_choice(kernels, M, N, K, x2d.dtype, x2d.device)
+    if tuned is not None:
+        return tuned
+    options = _options(kernels, M, N, K)
+    if torch.cuda.is_current_stream_capturing():
+        return options[0]
+    _, best = autotune_cache.time_configs(
+        options, lambda option: launch(option[0], option[1], x2d, weight, bias, activation))
+    _tune_cache(torch.cuda.get_device_name(x2d.device)).put(
+        _tune_key(kernels, M, N, K, x2d.dtype), {"kernel": best[0], "config": best[1]})
+    return best
+
+
+def describe(name, config, M, N, K, device):
+    """The config string shown in stats: ``k=v,...`` for Triton kernels, Gluon's own name for its."""
+    if name != dispatch.GLUON:
+        return autotune_cache.config_str(config)
+    # gluon_config is an optional extra of that module; without it the config is unknown here.
+    config_of = getattr(gluon_module(), "gluon_config", None)
+    return str(config_of(M, N, K, device)) if config_of is not None else ""
