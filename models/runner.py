@@ -122,6 +122,27 @@ class ModelRunner:
                 out = self._forward(bucket, rows if self.timing_sink is not None else None)
         return out[:rows].float().cpu()
 
+    @property
+    def input_buffer(self) -> torch.Tensor:
+        """The preallocated ``[max_batch_size, in_features]`` float32 device input ``run`` pads into."""
+        return self._input
+
+    def compute(self, bucket: int) -> torch.Tensor:
+        """The model on the first ``bucket`` rows of ``input_buffer``, as ``run`` computes it (graph
+        replay when captured), without copies or timings: what a benchmark measures. Returns the
+        device output ``[bucket, out_features]``; with graphs it is the graph's static buffer, which
+        the next call overwrites."""
+        if bucket not in self.buckets:
+            raise ValueError(f"bucket must be one of {self.buckets}, got {bucket!r}")
+        if bucket not in self._warm:
+            self._warm_bucket(bucket)
+        with torch.no_grad():
+            if bucket in self._graphs:
+                graph, out = self._graphs[bucket]
+                graph.replay()
+                return out
+            return self._forward(bucket, None)
+
     def pending_timings(self) -> int:
         """Layer timings whose CUDA events the GPU has not reached (or nobody has read) yet."""
         return len(self._pending)

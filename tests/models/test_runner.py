@@ -128,3 +128,14 @@ def test_fused_is_only_automatic_with_the_triton_backend():
     assert not ModelRunner(make_model(), max_batch_size=4).fused
     with pytest.raises(ValueError, match="fused=True"):
         ModelRunner(make_model(), max_batch_size=4, fused=True)
+
+
+def test_compute_runs_a_bucket_on_the_input_buffer():
+    model = make_model()
+    runner = ModelRunner(model, max_batch_size=10)
+    x = torch.randn(10, 17)
+    runner.input_buffer.copy_(x)
+    # Same ops on the same rows as the model itself: bitwise equal.
+    torch.testing.assert_close(runner.compute(10), model(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bucket"):
+        runner.compute(3)
