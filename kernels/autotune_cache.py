@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import triton
@@ -67,8 +68,10 @@ class TuneCache:
 def time_configs(candidates, run):
     """Median milliseconds of ``run(config)`` for each candidate, and the fastest config.
 
-    Configs that do not fit the GPU (too much shared memory, too many registers) are skipped;
-    if none fits, the last compile error is raised.
+    Configs that do not fit the GPU (too much shared memory, too many registers) are skipped
+    quietly; a candidate that fails otherwise (say an optional kernel that does not build here) is
+    skipped with a warning naming it, so one broken candidate cannot take the layer down. If every
+    candidate fails, the last error is raised.
     """
     timings = []
     failure = None
@@ -76,6 +79,11 @@ def time_configs(candidates, run):
         try:
             ms = triton.testing.do_bench(lambda config=config: run(config), warmup=5, rep=25, return_mode="median")
         except (OutOfResources, CompileTimeAssertionFailure, PTXASError) as e:
+            failure = e
+            continue
+        except Exception as e:
+            warnings.warn(f"tuning candidate {config} failed and was skipped: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
             failure = e
             continue
         timings.append((ms, config))

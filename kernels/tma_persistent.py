@@ -17,6 +17,8 @@ NAME = "triton_tma_persistent"
 
 CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    # Storing the output tile in two halves halves its staging buffer, which buys a 4th stage.
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_STORE=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
@@ -24,7 +26,8 @@ CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
 ]
 # The interpreter runs descriptors too; a small tile keeps CPU tests fast.
-INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
+INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1,
+                        SPLIT_STORE=True)
 # Programs the interpreter's "persistent" grid uses (it has no SMs); > 1 so tiles are shared out.
 _INTERPRET_PROGRAMS = 3
 
@@ -52,6 +55,7 @@ def _tma_persistent_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_STORE: tl.constexpr,  # store the tile as two [BLOCK_M, BLOCK_N // 2] halves
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -82,7 +86,13 @@ def _tma_persistent_kernel(
             cols = off_n + tl.arange(0, BLOCK_N)
             acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         acc = apply_activation(acc, ACTIVATION)
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+        if SPLIT_STORE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            y_desc.store([off_m, off_n], left.to(y_desc.dtype))
+            y_desc.store([off_m, off_n + BLOCK_N // 2], right.to(y_desc.dtype))
+        else:
+            y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
 def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16):
@@ -90,11 +100,11 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     ``input_precision`` is accepted for a uniform launcher signature; 16-bit dots ignore it."""
     M, K = x.shape
     N = weight.shape[0]
-    meta = dict(config)
+    meta = dict(SPLIT_STORE=False) | dict(config)
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
-    y_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+    y_desc = TensorDescriptor.from_tensor(out, [bm, bn // 2 if meta["SPLIT_STORE"] else bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     if x.is_cuda:
         programs = torch.cuda.get_device_properties(x.device).multi_processor_count

@@ -99,3 +99,23 @@ def test_corrupt_tune_cache_says_which_file(monkeypatch, tmp_path):
 
 def test_config_str():
     assert autotune_cache.config_str({"BLOCK_M": 64, "num_warps": 4}) == "BLOCK_M=64,num_warps=4"
+
+
+def test_time_configs_skips_what_does_not_fit_and_warns_on_failures(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    fake_ms = {"a": 2.0, "d": 1.0}
+
+    def run(option):
+        if option == "b":
+            raise OutOfResources(300000, 232448, "shared memory")
+        if option == "c":
+            raise RuntimeError("kernel c does not build here")
+        return fake_ms[option]
+
+    monkeypatch.setattr(autotune_cache.triton.testing, "do_bench", lambda fn, **kw: fn())
+    with pytest.warns(RuntimeWarning, match="candidate c failed.*does not build"):
+        timings, best = autotune_cache.time_configs(["a", "b", "c", "d"], run)
+    assert best == "d" and timings == [(2.0, "a"), (1.0, "d")]
+    with pytest.raises(RuntimeError, match="does not build"), pytest.warns(RuntimeWarning):
+        autotune_cache.time_configs(["b", "c"], run)

@@ -137,6 +137,17 @@ def test_each_kernel_matches_reference(module, M, N, K, dtype):
     assert_matches(out, x, w, b, "relu")
 
 
+@pytest.mark.parametrize("split_store", [False, True])
+def test_tma_kernel_stores_whole_or_half_tiles(split_store):
+    x, w, b = make(17, 72, 40, torch.float16)  # 72 columns: the last 32-wide tile is cut by TMA
+    out = torch.full((17, 72), float("nan"), dtype=torch.float16, device=DEVICE)
+    config = dict(tma_persistent.INTERPRET_CONFIG, SPLIT_STORE=split_store)
+    if DEVICE != "cpu":
+        config = dict(tma_persistent.CONFIGS[0], SPLIT_STORE=split_store)
+    tma_persistent.launch(x, w, b, "relu", out, config, input_precision="ieee", upcast_bf16=False)
+    assert_matches(out, x, w, b, "relu")
+
+
 @pytest.mark.parametrize("split_k", [1, 3, 8])
 def test_small_m_split_k_with_empty_splits(split_k):
     # K=40 in 32-wide steps is 2 steps: with SPLIT_K 3 or 8 some programs get no K at all.
