@@ -156,7 +156,7 @@ class Batcher:
         t0 = time.perf_counter()
         try:
             out = await loop.run_in_executor(self._executor, self._run, x)
-        except Exception as exc:  # every waiting request learns what failed; the loop keeps serving
+        except Exception as exc:  # noqa: BLE001 - every request in the batch gets it; the loop keeps serving
             error = BatchFailed(f"model {self.runner.name!r} failed on a batch of {rows} rows: "
                                 f"{type(exc).__name__}: {exc}")
             for item in batch:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from service.errors import BadInput, UnknownModel
 from service.inference import infer
-from service.inputs import check_rows, parse_json, read_body, rows_from_json
+from service.inputs import check_rows, parse_json, read_body
 from service.state import ModelInfo, ServiceState, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])

@@ -34,10 +34,9 @@ async def test_model_may_be_omitted_only_when_one_is_loaded(client, tmp_path, re
     one = tmp_path / "one"
     models.save_model(models.load_model(repository / "tiny"), one / "tiny")
     app = create_app(Settings(model_repository=one, device="cpu"))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-            await wait_ready(c)
-            r = await c.post("/infer", json={"inputs": ROWS[:1]})
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        await wait_ready(c)
+        r = await c.post("/infer", json={"inputs": ROWS[:1]})
     assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
 
 
@@ -198,30 +197,29 @@ async def test_limits_body_rows_queue_and_deadline(repository):
     settings = Settings(model_repository=repository, device="cpu", max_batch_size=4, max_queue_rows=4,
                         max_body_bytes=300, request_timeout_ms=10_000)
     app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-            await wait_ready(c)
-            r = await c.post("/infer", json={"model": "tiny", "inputs": [[1.0, 2.0, 3.0]] * 40})
-            assert r.status_code == 413 and "300-byte" in r.json()["error"], r.text
-            r = await c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]] * 5})
-            assert r.status_code == 422 and "at most 4" in r.json()["error"], r.text
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        await wait_ready(c)
+        r = await c.post("/infer", json={"model": "tiny", "inputs": [[1.0, 2.0, 3.0]] * 40})
+        assert r.status_code == 413 and "300-byte" in r.json()["error"], r.text
+        r = await c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]] * 5})
+        assert r.status_code == 422 and "at most 4" in r.json()["error"], r.text
 
-            runner = app.state.service.batchers["tiny"].runner
-            gate, real_run = threading.Event(), runner.run
-            runner.run = lambda x: (gate.wait(timeout=10), real_run(x))[1]
-            busy = asyncio.ensure_future(c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]]}))
-            await asyncio.sleep(0.1)
-            # The header shortens the 10 s server deadline to 50 ms.
-            r = await c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]] * 4},
-                             headers={"X-Request-Timeout-Ms": "50"})
-            assert r.status_code == 504 and "within 50 ms" in r.json()["error"], r.text
-            queued = asyncio.ensure_future(c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]] * 4}))
-            while app.state.service.batchers["tiny"].queued_rows < 4:
-                await asyncio.sleep(0.005)
-            r = await c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]]})
-            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-            gate.set()
-            assert (await busy).status_code == 200 and (await queued).status_code == 200
+        runner = app.state.service.batchers["tiny"].runner
+        gate, real_run = threading.Event(), runner.run
+        runner.run = lambda x: (gate.wait(timeout=10), real_run(x))[1]
+        busy = asyncio.ensure_future(c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]]}))
+        await asyncio.sleep(0.1)
+        # The header shortens the 10 s server deadline to 50 ms.
+        r = await c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]] * 4},
+                         headers={"X-Request-Timeout-Ms": "50"})
+        assert r.status_code == 504 and "within 50 ms" in r.json()["error"], r.text
+        queued = asyncio.ensure_future(c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]] * 4}))
+        while app.state.service.batchers["tiny"].queued_rows < 4:
+            await asyncio.sleep(0.005)
+        r = await c.post("/infer", json={"model": "tiny", "inputs": [[1, 2, 3]]})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        gate.set()
+        assert (await busy).status_code == 200 and (await queued).status_code == 200
 
 
 async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, monkeypatch):
@@ -237,20 +235,19 @@ async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, mo
 
     monkeypatch.setattr(models.ModelRunner, "warmup", slow_warmup)
     app = create_app(Settings(model_repository=repository, device="cpu"))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-            while not started.is_set():
-                await asyncio.sleep(0.005)
-            assert (await c.get("/v2/health/live")).status_code == 200
-            r = await c.get("/v2/health/ready")
-            assert r.status_code == 503 and r.json()["error"] == "warming up", r.text
-            r = await c.post("/infer", json={"model": "tiny", "inputs": ROWS})
-            assert r.status_code == 503 and "warming up" in r.json()["error"], r.text
-            release.set()
-            while app.state.service.startup_error is None:
-                await asyncio.sleep(0.005)
-            r = await c.get("/v2/health/ready")
-            assert r.status_code == 503 and "autotune exploded" in r.json()["error"], r.text
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        assert (await c.get("/v2/health/live")).status_code == 200
+        r = await c.get("/v2/health/ready")
+        assert r.status_code == 503 and r.json()["error"] == "warming up", r.text
+        r = await c.post("/infer", json={"model": "tiny", "inputs": ROWS})
+        assert r.status_code == 503 and "warming up" in r.json()["error"], r.text
+        release.set()
+        while app.state.service.startup_error is None:
+            await asyncio.sleep(0.005)
+        r = await c.get("/v2/health/ready")
+        assert r.status_code == 503 and "autotune exploded" in r.json()["error"], r.text
 
 
 async def test_disconnected_client_is_dropped_before_its_batch_runs(client):

@@ -28,21 +28,20 @@ def accuracy(outputs, labels) -> float:
 async def test_shipped_digits_in_memory_with_concurrent_requests():
     x, y = digits()
     app = create_app(Settings(device="cpu", max_batch_size=16))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-            await wait_ready(c)
-            # Awkward request sizes (at most max_batch_size=16 rows each), sent concurrently so they batch.
-            sizes = [1, 3, 16, 7, 1, 16, 13, 16, 16, 16, 16, 9]
-            starts = np.cumsum([0, *sizes[:-1]])
-            responses = await asyncio.gather(*(
-                c.post("/infer", json={"inputs": x[s:s + n].tolist()}) for s, n in zip(starts, sizes)))
-            outputs = []
-            for s, n, r in zip(starts, sizes, responses):
-                assert r.status_code == 200, f"rows {s}:{s + n}: {r.status_code} {r.text}"
-                assert len(r.json()["outputs"]) == n, f"rows {s}:{s + n} got {len(r.json()['outputs'])} outputs"
-                outputs += r.json()["outputs"]
-            acc = accuracy(outputs, y[:len(outputs)])
-            assert acc >= MIN_ACCURACY, f"digits accuracy through /infer {acc:.3f} < {MIN_ACCURACY}"
-            stats = (await c.get("/kernel-stats")).json()
-            assert stats["served"]["digits"]["in_features"] == 64
-            assert sum(row["calls"] for row in stats["layers"]) == 3 * stats["models"]["digits"]["batches"]
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        await wait_ready(c)
+        # Awkward request sizes (at most max_batch_size=16 rows each), sent concurrently so they batch.
+        sizes = [1, 3, 16, 7, 1, 16, 13, 16, 16, 16, 16, 9]
+        starts = np.cumsum([0, *sizes[:-1]])
+        responses = await asyncio.gather(*(
+            c.post("/infer", json={"inputs": x[s:s + n].tolist()}) for s, n in zip(starts, sizes)))
+        outputs = []
+        for s, n, r in zip(starts, sizes, responses):
+            assert r.status_code == 200, f"rows {s}:{s + n}: {r.status_code} {r.text}"
+            assert len(r.json()["outputs"]) == n, f"rows {s}:{s + n} got {len(r.json()['outputs'])} outputs"
+            outputs += r.json()["outputs"]
+        acc = accuracy(outputs, y[:len(outputs)])
+        assert acc >= MIN_ACCURACY, f"digits accuracy through /infer {acc:.3f} < {MIN_ACCURACY}"
+        stats = (await c.get("/kernel-stats")).json()
+        assert stats["served"]["digits"]["in_features"] == 64
+        assert sum(row["calls"] for row in stats["layers"]) == 3 * stats["models"]["digits"]["batches"]
