@@ -61,7 +61,7 @@ def test_fused_mlp_matches_layer_by_layer_on_cpu(widths, rows, dtype, tol):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("widths", [(64, 256, 256, 10), (100, 512, 70, 512, 3), (130, 17)])
-@pytest.mark.parametrize("rows", [1, 3, 17, 100, 130, 4096])
+@pytest.mark.parametrize("rows", [1, 3, 17, 100, 130, 4096, 5000])  # every block size
 @pytest.mark.parametrize("dtype, tol", [
     (torch.float32, 1e-4),  # TF32 off (torch's default): ieee on both sides, summation order only
     (torch.float16, 1e-2),  # fp16 outputs (2**-11) rounded at each layer, K up to 512
@@ -118,7 +118,7 @@ print(result.stderr)
 """
 
 
-@pytest.mark.parametrize("rows", [1, 64, 4096])
+@pytest.mark.parametrize("rows", [1, 4096, 8192])  # one per fused_mlp_config block size
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiles_for_sm90_without_register_spills(rows, dtype, tmp_path):
     # A GPU is not needed to compile for one: this keeps every fused_mlp_config spill-free.
