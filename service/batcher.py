@@ -1,5 +1,9 @@
-"""Dynamic batching for one model: requests queue up, batches close at ``max_batch_size`` rows or
-``max_delay_ms`` after the oldest queued request, and one worker thread runs them one at a time."""
+"""Dynamic batching for one model, one batch at a time in one worker thread.
+
+A request that finds the model idle runs at once (waiting would only add latency). Requests that
+arrive while a batch runs queue up; when it finishes, the next batch closes as soon as it holds
+``max_batch_size`` rows or ``max_delay_ms`` after its oldest request arrived, whichever is first.
+Requests are never split or reordered; one that would overflow the batch waits for the next."""
 
 from __future__ import annotations
 

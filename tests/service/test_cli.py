@@ -1,5 +1,6 @@
 """The CLI: flags, environment variables and their precedence; settings validation."""
 
+import os
 import subprocess
 import sys
 
@@ -21,9 +22,11 @@ def test_flags_override_environment(monkeypatch, tmp_path):
     assert settings.model_repository == tmp_path and settings.host == "127.0.0.1"
 
 
-def test_defaults_serve_the_shipped_repository_on_loopback():
+def test_defaults_serve_the_shipped_repository_on_loopback(monkeypatch):
     import models
 
+    for name in [n for n in os.environ if n.startswith("FUSEDSERVE_")]:
+        monkeypatch.delenv(name)
     settings = Settings()
     assert (settings.host, settings.port, settings.device, settings.backend) == ("127.0.0.1", 8000, "auto", "auto")
     assert settings.model_repository == models.DEFAULT_REPOSITORY
