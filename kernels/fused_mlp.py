@@ -141,15 +141,14 @@ def _fused_mlp_kernel(
     # pointers: raw input [M, K_0] fp32, normalization [K_0] fp32, packed layers, scratch
     # [2, M, widest hidden layer] (model dtype), output [M, N_last]
     x_ptr, shift_ptr, scale_ptr, w_ptr, b_ptr, meta_ptr, scratch_ptr, y_ptr,
-    # sizes and row strides
-    M, stride_xm, stride_sm, stride_ym,
+    # sizes and strides (stride_sb: from one scratch buffer to the other)
+    M, stride_xm, stride_sb, stride_sm, stride_ym,
     # meta-parameters
     NUM_LAYERS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
-    half = M.to(tl.int64) * stride_sm  # one of the two ping-pong scratch buffers
     if NUM_LAYERS == 1:
         _layer(x_ptr, w_ptr, b_ptr, y_ptr, shift_ptr, scale_ptr,
                M, tl.load(meta_ptr), tl.load(meta_ptr + 1), stride_xm, stride_ym, row0,
@@ -163,15 +162,15 @@ def _fused_mlp_kernel(
         tl.debug_barrier()
         # Hidden layers: scratch[(i - 1) % 2] -> scratch[i % 2].
         for i in range(1, NUM_LAYERS - 1):
-            _layer(scratch_ptr + ((i - 1) % 2) * half, w_ptr + tl.load(meta_ptr + 4 * i + 2),
-                   b_ptr + tl.load(meta_ptr + 4 * i + 3), scratch_ptr + (i % 2) * half,
+            _layer(scratch_ptr + ((i - 1) % 2) * stride_sb, w_ptr + tl.load(meta_ptr + 4 * i + 2),
+                   b_ptr + tl.load(meta_ptr + 4 * i + 3), scratch_ptr + (i % 2) * stride_sb,
                    shift_ptr, scale_ptr,
                    M, tl.load(meta_ptr + 4 * i), tl.load(meta_ptr + 4 * i + 1), stride_sm, stride_sm,
                    row0, False, ACTIVATION, INPUT_PRECISION, UPCAST_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
             tl.debug_barrier()
         # Last layer, no activation: scratch -> y.
         last = NUM_LAYERS - 1
-        _layer(scratch_ptr + ((last - 1) % 2) * half, w_ptr + tl.load(meta_ptr + 4 * last + 2),
+        _layer(scratch_ptr + ((last - 1) % 2) * stride_sb, w_ptr + tl.load(meta_ptr + 4 * last + 2),
                b_ptr + tl.load(meta_ptr + 4 * last + 3), y_ptr, shift_ptr, scale_ptr,
                M, tl.load(meta_ptr + 4 * last), tl.load(meta_ptr + 4 * last + 1), stride_sm,
                stride_ym, row0, False, "none", INPUT_PRECISION, UPCAST_BF16,
@@ -209,7 +208,8 @@ def fused_mlp(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: to
     grid = (triton.cdiv(M, config["BLOCK_M"]),)
     _fused_mlp_kernel[grid](
         x, shift, scale, packed.weights, packed.biases, packed.meta, scratch, out,
-        M, x.stride(0), hidden, out.stride(0),
+        # Sizes are plain ints: Triton turns any that equals 1 (M at batch 1) into a constant.
+        M, x.stride(0), scratch.stride(0), scratch.stride(1), out.stride(0),
         NUM_LAYERS=len(packed.widths) - 1, ACTIVATION=packed.activation,
         INPUT_PRECISION="ieee" if fp32_ieee or interpreting else "tf32",
         # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.

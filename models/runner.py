@@ -86,6 +86,7 @@ class ModelRunner:
                                     model.config.activation)
         self._input = torch.zeros(max_batch_size, self.in_features, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
         self._warm: set[int] = set()
         self._pending = PendingEvents()
         self._batches = 0
@@ -224,8 +225,12 @@ class ModelRunner:
 
     def _capture(self, bucket: int) -> None:
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            # One memory pool for every bucket's graph: they never replay at the same time, and each
+            # graph's output stays referenced, so no capture reuses another's output.
+            self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.no_grad(), torch.cuda.graph(graph):
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
                 out = self._forward(bucket, None)
         except Exception:  # any failure: eager launches give the same answers, only slower
             log.warning("CUDA graph capture failed for %r at M=%d; it runs eager launches from now on",

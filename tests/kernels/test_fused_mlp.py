@@ -103,8 +103,10 @@ config = dict(fused_mlp_config(rows))
 options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
 signature = {"x_ptr": "*fp32", "shift_ptr": "*fp32", "scale_ptr": "*fp32", "w_ptr": f"*{dtype}",
              "b_ptr": f"*{dtype}", "meta_ptr": "*i32", "scratch_ptr": f"*{dtype}", "y_ptr": f"*{dtype}",
-             "M": "i32", "stride_xm": "i32", "stride_sm": "i32", "stride_ym": "i32"}
-constants = dict(NUM_LAYERS=3, ACTIVATION="relu", UPCAST_BF16=False,
+             "M": "i32", "stride_xm": "i32", "stride_sb": "i32", "stride_sm": "i32", "stride_ym": "i32"}
+# At batch 1 Triton's launcher passes M=1 as a constant: compile that variant as it would.
+constants = dict(M=1) if rows == 1 else {}
+constants.update(NUM_LAYERS=3, ACTIVATION="relu", UPCAST_BF16=False,
                  INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **config)
 signature.update({name: "constexpr" for name in constants})
 ptx = triton.compile(ASTSource(_fused_mlp_kernel, signature, constants),
