@@ -9,8 +9,9 @@ import triton.language as tl
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
 
-# sqrt(2 / pi), the constant of the tanh approximation of GELU.
-_GELU_TANH_C = 0.7978845608028654
+# sqrt(2 / pi), the constant of the tanh approximation of GELU (a constexpr: jit code may only
+# read globals that are).
+_GELU_TANH_C = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

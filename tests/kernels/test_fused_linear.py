@@ -7,6 +7,10 @@ path. The real bf16 MMA is checked on the GPU (test_fused_linear_gpu.py).
 """
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,6 +334,19 @@ def test_tune_runs_each_shape_and_reports(capsys):
     assert chosen[(70, 5, 17)][0] in (("triton_tiled",) if DEVICE == "cpu" else ("triton_tiled", "triton_small_m"))
     err = capsys.readouterr().err
     assert "[tune 1/2] M=3 N=17 K=33 float32: triton_small_m" in err and "[tune 2/2]" in err
+
+
+@pytest.mark.slow
+def test_every_config_compiles_for_hopper():
+    # The interpreter never runs Triton's compiler; this compiles every tuning candidate for sm_90
+    # from mock tensors (no GPU needed), in a fresh process without TRITON_INTERPRET. ~30 s here.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(kernels.__file__).parents[1]), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-m", "kernels._sm90_triton"], env=env, capture_output=True,
+                            text=True, timeout=600)
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert result.returncode == 0 and not failed, "\n".join(failed) or result.stderr[-3000:]
+    assert result.stdout.rstrip().endswith("0 failed")
 
 
 def test_tune_rejects_bad_shapes():

@@ -1,0 +1,96 @@
+"""Compile every Triton kernel config we may launch for sm_90 (Hopper) without a GPU.
+
+The interpreter runs the kernels' Python, not the compiler, so it misses what only the compiler
+rejects (a non-constexpr global, a layout it cannot lower). This compiles each tuning candidate the
+way a launch on an H200 would, from mock tensors. It uses private triton 3.6 APIs (the argument
+binder and ``_pack_args``), which is why they live only here. Run without ``TRITON_INTERPRET``:
+
+    python -m kernels._sm90_triton        # one line per compile; exit status 1 if any failed
+"""
+
+import sys
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from triton.runtime.jit import MockTensor, create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels import small_m, tiled, tma_persistent
+from kernels.activations import ACTIVATIONS
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(kernel, args, meta):
+    """Compile a ``@triton.jit`` kernel for sm_90 with the launch's args and meta-parameters."""
+    backend = triton.compiler.make_backend(SM90)
+    options = {k: meta[k] for k in ("num_warps", "num_stages") if k in meta}
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, parsed = binder(*args, **meta)
+    parsed, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialization, parsed)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=SM90, options=parsed.__dict__)
+
+
+def compile_launch(module, M, N, K, dtype, config, activation="relu"):
+    """Compile what ``module.launch`` would run for this shape (mock tensors, bias present)."""
+    x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
+    common = dict(HAS_BIAS=True, ACTIVATION=activation, UPCAST_BF16=False)
+    precision = dict(INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    if module is tiled:
+        return [compile_sm90(tiled._tiled_linear_kernel, (x, w, b, y, M, N, K, K, K, N),
+                             {**common, **precision, **config})]
+    if module is small_m:
+        part = MockTensor(torch.float32, [config["SPLIT_K"], M, N])
+        kernels = [compile_sm90(small_m._small_m_kernel, (x, w, b, y, part, M, N, K, K, K, N),
+                                {**common, **precision, "BLOCK_M": small_m.block_m(M), **config})]
+        if config["SPLIT_K"] > 1:
+            kernels.append(compile_sm90(small_m._split_k_reduce_kernel, (part, b, y, M, N, N),
+                                        dict(HAS_BIAS=True, ACTIVATION=activation, SPLIT_K=config["SPLIT_K"],
+                                             BLOCK=1024, num_warps=4)))
+        return kernels
+    meta = {"SPLIT_STORE": False, **common, **config}
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+             TensorDescriptor.from_tensor(y, [bm, bn // 2 if meta["SPLIT_STORE"] else bn]))
+    return [compile_sm90(tma_persistent._tma_persistent_kernel, (*descs, b, M, N, K), meta)]
+
+
+def plan():
+    """(module, M, N, K, dtype, config, activation): every candidate of every kernel in 16-bit,
+    the fp32 paths' first configs, and each activation once."""
+    jobs = []
+    for module, (M, N, K) in ((small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
+                              (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704))):
+        jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu") for cfg in module.candidates(M, N, K)]
+    jobs += [(tiled, 300, 1000, 704, torch.float32, tiled.CONFIGS[-1], "relu"),
+             (small_m, 5, 1000, 704, torch.float32, small_m.candidates(5, 1000, 704)[0], "relu")]
+    jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704)[0], act)
+             for module in (small_m, tiled, tma_persistent) for act in ACTIVATIONS]
+    return jobs
+
+
+def main():
+    failures = 0
+    for module, M, N, K, dtype, config, activation in plan():
+        start = time.perf_counter()
+        try:
+            compiled = compile_launch(module, M, N, K, dtype, config, activation)
+        except Exception as e:  # reported and counted: the exit status says a compile failed
+            failures += 1
+            # A CompilationError's own text is source context; its cause says what went wrong.
+            reason = e.__cause__ if e.__cause__ is not None else e
+            print(f"FAIL {module.NAME} {M}x{N}x{K} {dtype} {activation} {config}: {type(reason).__name__}: "
+                  f"{str(reason)[:500]}", flush=True)
+            continue
+        shared = max(c.metadata.shared for c in compiled)
+        print(f"ok   {module.NAME} {M}x{N}x{K} {dtype} {activation} {config}: shared {shared} B, "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{failures} failed", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
