@@ -82,7 +82,7 @@ class ModelRunner:
             from kernels.fused_mlp import pack_mlp
 
             layers = model.layers
-            self._packed = pack_mlp([l.weight for l in layers], [l.bias for l in layers],
+            self._packed = pack_mlp([l.weight.detach() for l in layers], [l.bias.detach() for l in layers],
                                     model.config.activation)
         self._input = torch.zeros(max_batch_size, self.in_features, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
