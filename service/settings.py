@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     max_rows_per_request: int | None = Field(None, ge=1)
     # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
     drain_grace_s: float = Field(2.0, ge=0.0)
+    # Move start-up objects out of the garbage collector's scans once warm (see service.app).
+    gc_freeze: bool = True
 
     @field_validator("device")
     @classmethod

@@ -55,7 +55,9 @@ async def wait_ready(client, timeout_s=60.0):
 
 @pytest.fixture
 def settings(repository):
-    return Settings(model_repository=repository, device="cpu", max_batch_size=8, max_delay_ms=5.0)
+    # gc_freeze=False: freezing is process-wide, and this process is the whole test session.
+    return Settings(model_repository=repository, device="cpu", max_batch_size=8, max_delay_ms=5.0,
+                    gc_freeze=False)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The app in memory (httpx.ASGITransport) with its lifespan run: routes, errors, batching, limits."""
 
 import asyncio
+import gc
 import json
 import threading
 
@@ -33,7 +34,7 @@ async def test_model_may_be_omitted_only_when_one_is_loaded(client, tmp_path, re
     assert r.status_code == 422 and "tiny" in r.json()["error"] and "wide" in r.json()["error"], r.text
     one = tmp_path / "one"
     models.save_model(models.load_model(repository / "tiny"), one / "tiny")
-    app = create_app(Settings(model_repository=one, device="cpu"))
+    app = create_app(Settings(model_repository=one, device="cpu", gc_freeze=False))
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
         await wait_ready(c)
         r = await c.post("/infer", json={"inputs": ROWS[:1]})
@@ -194,7 +195,7 @@ async def test_request_id_is_echoed_or_generated(client):
 
 
 async def test_limits_body_rows_queue_and_deadline(repository):
-    settings = Settings(model_repository=repository, device="cpu", max_batch_size=4, max_queue_rows=4,
+    settings = Settings(model_repository=repository, device="cpu", gc_freeze=False, max_batch_size=4, max_queue_rows=4,
                         max_body_bytes=300, request_timeout_ms=10_000)
     app = create_app(settings)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
@@ -234,7 +235,7 @@ async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, mo
         return real_warmup(self)
 
     monkeypatch.setattr(models.ModelRunner, "warmup", slow_warmup)
-    app = create_app(Settings(model_repository=repository, device="cpu"))
+    app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=False))
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
         while not started.is_set():
             await asyncio.sleep(0.005)
@@ -292,3 +293,15 @@ async def test_disconnected_client_is_dropped_before_its_batch_runs(client):
     assert calls == [1, 2], f"runner saw {calls}: the disconnected 3-row request was computed"
     assert sent[0]["status"] == 499, sent[0]
     assert 'outcome="disconnected"} 1.0' in (await client.get("/metrics")).text
+
+
+async def test_gc_freeze_after_warm_up(repository):
+    gc.unfreeze()
+    app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=True))
+    try:
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            await wait_ready(c)
+            assert gc.get_freeze_count() > 0, "objects alive after warm-up were not frozen"
+    finally:
+        gc.unfreeze()  # give the rest of the test session its collector back
