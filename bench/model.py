@@ -34,7 +34,7 @@ import torch._dynamo
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model  # noqa: E402
+from models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model
 
 BATCHES = (1, 8, 64, 512, 4096)
 IMPLS = ("fusedserve", "torch_eager", "torch_cuda_graph", "torch_compile")
@@ -155,7 +155,7 @@ def bench(pairs, quick):
             with torch.no_grad():
                 want = torch_model(x)
                 steps = {"fusedserve": fusedserve_step(fused_model, x),
-                         "torch_eager": lambda: torch_model(x),
+                         "torch_eager": lambda model=torch_model, x=x: model(x),
                          "torch_cuda_graph": graph_step(torch_model, x)}
                 compile_wanted = not quick or batch in QUICK_COMPILE_BATCHES
                 if compile_wanted and (not quick or compile_spent < QUICK_COMPILE_BUDGET_S):

@@ -13,9 +13,8 @@ packed into one buffer (``pack_mlp``) once, when the runner is built.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -84,10 +83,10 @@ def fused_mlp_config(M: int) -> dict:
     SMs (132 on an H200): 16 rows up to M=2048, 32 rows up to 132 programs of them, then 64.
     Each of these compiles for sm_90 without register spills (see tests/kernels/test_fused_mlp.py)."""
     if M <= 2048:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
     if M <= 32 * 132:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2)
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2}
 
 
 def config_str(config: dict) -> str:

@@ -7,6 +7,7 @@ in ``models.runner``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ class MLPConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         hidden = self.hidden_features
         if isinstance(hidden, (str, bytes)) or not isinstance(hidden, (list, tuple)):
-            raise ValueError(f"hidden_features must be a list of positive integers, got {hidden!r}")
+            raise TypeError(f"hidden_features must be a list of positive integers, got {hidden!r}")
         for width in hidden:
             if isinstance(width, bool) or not isinstance(width, int) or width < 1:
                 raise ValueError(f"hidden_features must hold positive integers, got {width!r}")
@@ -81,7 +82,7 @@ class MLPConfig:
     @classmethod
     def from_dict(cls, data: dict) -> MLPConfig:
         if not isinstance(data, dict):
-            raise ValueError(f"a model config must be a JSON object, got {type(data).__name__}")
+            raise TypeError(f"a model config must be a JSON object, got {type(data).__name__}")
         unknown = sorted(set(data) - set(cls._keys))
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; allowed keys are {list(cls._keys)}")
@@ -152,7 +153,7 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList(
             FusedLinear(k, n, config.activation if i < last else "none", backend,
                         device=device, dtype=config.torch_dtype)
-            for i, (k, n) in enumerate(zip(widths[:-1], widths[1:]))
+            for i, (k, n) in enumerate(pairwise(widths))
         )
         # float32 whatever the model dtype: raw inputs may be large before normalization.
         self.register_buffer("input_shift", torch.zeros(config.in_features, device=device))

@@ -41,7 +41,7 @@ def test_graphs_on_and_off_give_equal_outputs(fused):
         x = torch.randn(rows, 100)
         # Same kernels, same configs, same buffers: a graph replay must be bitwise equal.
         torch.testing.assert_close(graphed.run(x), eager.run(x), rtol=0, atol=0,
-                                   msg=lambda m: f"rows={rows}: {m}")
+                                   msg=lambda m, rows=rows: f"rows={rows}: {m}")
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
@@ -99,4 +99,4 @@ def test_triton_backend_matches_torch_on_gpu(dtype, tol, fused):
     for rows in (1, 3, 17, MAX_BATCH):
         x = torch.randn(rows, 100)
         torch.testing.assert_close(fused_runner.run(x), reference.run(x), rtol=tol, atol=tol,
-                                   msg=lambda m: f"{dtype} fused={fused} rows={rows}: {m}")
+                                   msg=lambda m, rows=rows: f"{dtype} fused={fused} rows={rows}: {m}")

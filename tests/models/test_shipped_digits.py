@@ -55,4 +55,4 @@ def test_triton_backend_matches_torch_backend():
         # float32 end to end: only summation order differs (TF32 is off, as torch's default);
         # 1e-4 relative covers K=256 accumulations of O(1) activations.
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"rows={rows}: {m}")
+                                   msg=lambda m, rows=rows: f"rows={rows}: {m}")
