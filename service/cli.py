@@ -41,14 +41,13 @@ def settings_from_args(args: argparse.Namespace):
     return Settings(**overrides)
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace, settings) -> None:
     import uvicorn
 
     from service.app import create_app
     from service.server import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = settings_from_args(args)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
                             lifespan="on")
@@ -56,9 +55,16 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    from pydantic import ValidationError
+
+    top = parser()
+    args = top.parse_args(argv)
     if args.command == "serve":
-        serve(args)
+        try:
+            settings = settings_from_args(args)
+        except ValidationError as exc:  # a bad flag or FUSEDSERVE_* value: usage and why, exit 2
+            top.error(str(exc))
+        serve(args, settings)
 
 
 def main_serve(argv: list[str] | None = None) -> None:
