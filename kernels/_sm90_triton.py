@@ -59,15 +59,15 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu"):
 
 
 def plan():
-    """(module, M, N, K, dtype, config, activation): every candidate of every kernel in 16-bit,
-    the fp32 paths' first configs, and each activation once."""
+    """(module, M, N, K, dtype, config, activation): every candidate of every kernel, in bf16 and
+    (where it runs fp32) in fp32, and each activation once."""
     jobs = []
     for module, (M, N, K) in ((small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
                               (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704))):
-        jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu") for cfg in module.candidates(M, N, K)]
-    jobs += [(tiled, 300, 1000, 704, torch.float32, tiled.CONFIGS[-1], "relu"),
-             (small_m, 5, 1000, 704, torch.float32, small_m.candidates(5, 1000, 704)[0], "relu")]
-    jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704)[0], act)
+        jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu") for cfg in module.candidates(M, N, K, torch.bfloat16)]
+    for module, (M, N, K) in ((small_m, (5, 1000, 704)), (small_m, (300, 1000, 704)), (tiled, (300, 1000, 704))):
+        jobs += [(module, M, N, K, torch.float32, cfg, "relu") for cfg in module.candidates(M, N, K, torch.float32)]
+    jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704, torch.float16)[0], act)
              for module in (small_m, tiled, tma_persistent) for act in ACTIVATIONS]
     return jobs
 

@@ -79,14 +79,14 @@ def launch(name, config, x2d, weight, bias, activation):
     return LAUNCHERS[name].launch(x2d, weight, bias, activation, out, config, **_launch_kw(x2d.dtype))
 
 
-def _options(kernels, M, N, K):
+def _options(kernels, M, N, K, dtype):
     """Every (kernel, config) the tuner times for these candidate kernels."""
     pairs = []
     for name in kernels:
         if name == dispatch.GLUON:
             pairs.append((name, None))
         else:
-            pairs += [(name, cfg) for cfg in LAUNCHERS[name].candidates(M, N, K)]
+            pairs += [(name, cfg) for cfg in LAUNCHERS[name].candidates(M, N, K, dtype)]
     return pairs
 
 
@@ -104,7 +104,7 @@ def choose(kernels, x2d, weight, bias, activation):
     tuned = cached_choice(kernels, M, N, K, x2d.dtype, x2d.device)
     if tuned is not None:
         return tuned
-    options = _options(kernels, M, N, K)
+    options = _options(kernels, M, N, K, x2d.dtype)
     if torch.cuda.is_current_stream_capturing():
         return options[0]
     _, best = autotune_cache.time_configs(

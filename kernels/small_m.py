@@ -31,16 +31,23 @@ def block_m(M):
 _SMEM_BUDGET = 200 * 1024
 
 
-def candidates(M, N, K):
+# (BLOCK_N, BLOCK_K, num_stages) of the W tiles tried. fp32 runs on FMAs (or TF32): only tiles that
+# keep the accumulator in registers without spilling (checked with ptxas for sm_90).
+_TILES = ((32, 256, 4), (64, 128, 5), (64, 256, 3), (128, 128, 3), (32, 128, 6))
+_FP32_TILES = ((32, 256, 4), (32, 128, 6))
+
+
+def candidates(M, N, K, dtype):
     """Configs worth timing for this shape: each W tile shape with the split-K that brings the
-    program count near ``_TARGET_PROGRAMS``, and half of that split; pipelines that cannot fit in
-    shared memory (counted for 16-bit inputs) are left out."""
+    program count near ``_TARGET_PROGRAMS``, and half of that split; pipelines are shortened to
+    fit in shared memory, or left out if even two stages do not fit."""
     configs = []
     bm = block_m(M)
     column_programs = triton.cdiv(M, bm)
-    for block_n, block_k, stages in ((32, 256, 4), (64, 128, 5), (64, 256, 3), (128, 128, 3), (32, 128, 6)):
-        if (block_n + bm) * block_k * 2 * stages > _SMEM_BUDGET:
-            stages = _SMEM_BUDGET // ((block_n + bm) * block_k * 2)
+    itemsize = 4 if dtype == torch.float32 else 2
+    for block_n, block_k, stages in _FP32_TILES if dtype == torch.float32 else _TILES:
+        if (block_n + bm) * block_k * itemsize * stages > _SMEM_BUDGET:
+            stages = _SMEM_BUDGET // ((block_n + bm) * block_k * itemsize)
             if stages < 2:
                 continue
         k_blocks = triton.cdiv(K, block_k)

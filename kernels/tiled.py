@@ -6,6 +6,7 @@ walks K in ``BLOCK_K`` steps with an fp32 accumulator and stores once. Tiles are
 of ``GROUP_M`` rows so neighbouring programs share W tiles in L2.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -13,7 +14,7 @@ from kernels.activations import apply_activation
 
 NAME = "triton_tiled"
 
-# Candidates timed by the autotuner on a GPU (see kernels.autotune_cache).
+# Candidates timed by the autotuner on a GPU for 16-bit inputs (tensor-core MMAs).
 CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
@@ -23,17 +24,23 @@ CONFIGS = [
     dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
-    # fp32 with IEEE precision runs on FMAs, not tensor cores: smaller K steps and more warps keep
-    # the accumulator in registers (the larger tiles above spill there).
+]
+# fp32: IEEE precision runs on FMAs (TF32 on tensor cores, when allowed). Tiles that keep the
+# accumulator in registers without spilling (checked with ptxas for sm_90); the larger 16-bit tiles
+# above spill in fp32 and take seconds each to compile.
+FP32_CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
 ]
 # Under TRITON_INTERPRET=1 timing configs means nothing: one small config keeps CPU runs short.
 INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1)
 
 
-def candidates(M, N, K):
-    return CONFIGS
+def candidates(M, N, K, dtype):
+    return FP32_CONFIGS if dtype == torch.float32 else CONFIGS
 
 
 @triton.jit

@@ -135,7 +135,7 @@ def test_each_kernel_matches_reference(module, M, N, K, dtype):
     out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)  # unwritten elements stay NaN
     if module is tma_persistent:
         assert tma_persistent.tma_compatible(x, w, out), "test shape must meet TMA alignment"
-    config = module.INTERPRET_CONFIG if DEVICE == "cpu" else module.candidates(M, N, K)[0]
+    config = module.INTERPRET_CONFIG if DEVICE == "cpu" else module.candidates(M, N, K, dtype)[0]
     module.launch(x, w, b, "relu", out, config, input_precision="ieee",
                   upcast_bf16=DEVICE == "cpu" and dtype == torch.bfloat16)
     assert_matches(out, x, w, b, "relu")
@@ -164,7 +164,7 @@ def test_small_m_split_k_with_empty_splits(split_k):
 
 def test_small_m_candidates_fill_the_gpu():
     for M, N, K in ((1, 4096, 4096), (16, 1024, 1024), (3, 11008, 4096), (1, 8, 8), (512, 4096, 4096)):
-        for cfg in small_m.candidates(M, N, K):
+        for cfg in small_m.candidates(M, N, K, torch.bfloat16) + small_m.candidates(M, N, K, torch.float32):
             assert cfg["SPLIT_K"] >= 1
             programs = -(-N // cfg["BLOCK_N"]) * -(-M // small_m.block_m(M)) * cfg["SPLIT_K"]
             assert programs <= 2 * 264, f"{(M, N, K)} {cfg}: {programs} programs"
@@ -219,14 +219,14 @@ def test_tuning_times_every_candidate_once_and_caches_the_winner(monkeypatch, tm
     assert_matches(fused_linear(x, w, b), x, w, b, "relu")
     kernels_timed = {name for name, _ in timed}
     assert kernels_timed == {"triton_tiled", "triton_small_m"}, kernels_timed
-    assert len(timed) == len(tiled.CONFIGS) + len(small_m.candidates(70, 40, 136))
+    assert len(timed) == len(tiled.CONFIGS) + len(small_m.candidates(70, 40, 136, torch.float16))
     # Same bucket (M=100 rounds to 128 like 70): the stored winner is reused, nothing is timed.
     timed.clear()
     x, w, b = make(100, 40, 136, torch.float16, seed=1)
     assert_matches(fused_linear(x, w, b), x, w, b, "relu")
     assert timed == []
     stored = list(json.loads(next(tmp_path.glob("fake-gpu-*.json")).read_text()).values())
-    assert stored == [{"kernel": "triton_small_m", "config": small_m.candidates(70, 40, 136)[-1]}]
+    assert stored == [{"kernel": "triton_small_m", "config": small_m.candidates(70, 40, 136, torch.float16)[-1]}]
 
 
 def test_row_strided_view_of_x():

@@ -64,10 +64,13 @@ def check(out, x, w, b, activation, where):
 
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (3, 100, 130), (100, 1000, 700), (300, 1000, 700),
           (130, 1024, 1024), (2048, 4096, 4096)]
+# fp32 on fewer shapes: each new shape tunes, and FMA kernels compile slowly.
+FP32_SHAPES = [(1, 4096, 4096), (3, 100, 130), (300, 1000, 700)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("M,N,K,dtype",
+                         [(*s, dt) for dt in (torch.bfloat16, torch.float16) for s in SHAPES]
+                         + [(*s, torch.float32) for s in FP32_SHAPES])
 def test_fused_linear_large_shapes(M, N, K, dtype):
     x, w, b = make(M, N, K, dtype)
     poison_allocator(M * N, dtype)
@@ -82,18 +85,20 @@ def test_no_bias_no_activation(dtype):
     check(fused_linear(x, w, None, "none"), x, w, None, "none", f"no bias, {dtype}")
 
 
-def _candidates(module, M, N, K):
-    return [pytest.param(module, M, N, K, cfg, id=f"{module.NAME}-{M}x{N}x{K}-{i}")
-            for i, cfg in enumerate(module.candidates(M, N, K))]
+def _candidates(module, M, N, K, dtype=torch.bfloat16):
+    return [pytest.param(module, M, N, K, dtype, cfg, id=f"{module.NAME}-{M}x{N}x{K}-{str(dtype)[6:]}-{i}")
+            for i, cfg in enumerate(module.candidates(M, N, K, dtype))]
 
 
-# Every config the tuner may pick must be right, not just the winner on this GPU.
-@pytest.mark.parametrize("module,M,N,K,config",
+# Every config the tuner may pick must be right, not just the winner on this GPU. bf16 for the
+# tensor-core configs (fp16 takes the same code path), fp32 for the FMA ones.
+@pytest.mark.parametrize("module,M,N,K,dtype,config",
                          _candidates(small_m, 5, 4096, 4096) + _candidates(small_m, 64, 1000, 700)
-                         + _candidates(small_m, 300, 1000, 704)
-                         + _candidates(tiled, 300, 1000, 700) + _candidates(tma_persistent, 300, 1000, 704))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_every_candidate_config(module, M, N, K, config, dtype):
+                         + _candidates(small_m, 300, 1000, 704) + _candidates(tiled, 300, 1000, 700)
+                         + _candidates(tma_persistent, 300, 1000, 704)
+                         + _candidates(small_m, 5, 1000, 700, torch.float32)
+                         + _candidates(tiled, 300, 1000, 700, torch.float32))
+def test_every_candidate_config(module, M, N, K, dtype, config):
     if module is tma_persistent and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA kernel is dispatched on Hopper only")
     x, w, b = make(M, N, K, dtype)
@@ -116,7 +121,6 @@ def test_fp32_follows_torch_tf32_flag(allow_tf32):
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
-        out = fused_linear(x, w, b, "relu")
         for big in (x, torch.cat([x] * 3)):  # M=64 (small-M kernel) and M=192 (tiled kernel)
             out = fused_linear(big, w, b, "relu")
             check(out, big, w, b, "relu", f"fp32 M={big.shape[0]} allow_tf32={allow_tf32}")
