@@ -14,6 +14,7 @@ packed into one buffer (``pack_mlp``) once, when the runner is built.
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -23,9 +24,11 @@ import triton.language as tl
 from kernels.activations import ACTIVATIONS, apply_activation
 
 NAME = "triton_fused_mlp"
-# Widest layer the runner sends here: past this the per-layer kernels, which spread one layer over
-# many programs, win because a program here walks all of every layer's weights by itself.
+# Which models the runner sends here. A program walks all of every layer's weights by itself (a
+# small batch is one program on one SM), so only models whose weights one SM streams in a few
+# microseconds qualify; past that the per-layer kernels, which spread a layer over all SMs, win.
 MAX_WIDTH = 512
+MAX_WEIGHT_BYTES = 512 * 1024
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -40,10 +43,14 @@ class PackedMLP(NamedTuple):
 
 
 def fused_mlp_supported(widths, dtype, device) -> bool:
-    """Whether ``fused_mlp`` takes a model of these feature widths (input first) on this device."""
+    """Whether ``fused_mlp`` takes a model of these feature widths (input first) on this device:
+    every width <= ``MAX_WIDTH`` and all weights together <= ``MAX_WEIGHT_BYTES``."""
     device = torch.device(device)
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return (dtype in _DTYPES and len(widths) >= 2 and max(widths) <= MAX_WIDTH
+    if dtype not in _DTYPES:
+        return False
+    weight_bytes = sum(k * n for k, n in pairwise(widths)) * dtype.itemsize
+    return (len(widths) >= 2 and max(widths) <= MAX_WIDTH and weight_bytes <= MAX_WEIGHT_BYTES
             and (device.type == "cuda" or (device.type == "cpu" and interpreting)))
 
 
@@ -83,7 +90,9 @@ def fused_mlp_config(M: int) -> dict:
     SMs (132 on an H200): 16 rows up to M=2048, 32 rows up to 132 programs of them, then 64.
     Each of these compiles for sm_90 without register spills (see tests/kernels/test_fused_mlp.py)."""
     if M <= 2048:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+        # One program streams every weight at batch 1: 4 stages keep 3 W tiles (48 KB in fp32) in
+        # flight, since one SM's share of L2 bandwidth is bounded by bytes in flight / latency.
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     if M <= 32 * 132:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2}
@@ -196,7 +205,8 @@ def fused_mlp(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: to
     dtype = packed.weights.dtype
     if not fused_mlp_supported(packed.widths, dtype, x.device):
         raise ValueError(f"fused_mlp does not take widths {packed.widths} ({dtype}) on {x.device}: "
-                         f"widths must be <= {MAX_WIDTH}, on CUDA or under TRITON_INTERPRET=1")
+                         f"widths must be <= {MAX_WIDTH}, weights <= {MAX_WEIGHT_BYTES} bytes, on CUDA "
+                         "or under TRITON_INTERPRET=1")
     M = x.shape[0]
     config = dict(fused_mlp_config(M) if config is None else config)
     interpreting = x.device.type == "cpu"

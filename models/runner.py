@@ -36,9 +36,9 @@ class ModelRunner:
     then captures one CUDA graph per bucket (capturing only after tuning: timing configs inside a
     capture would break it). If a capture fails, the runner logs why and launches eagerly.
 
-    ``fused``: with the triton backend, a model whose widths all fit ``kernels.fused_mlp.MAX_WIDTH``
-    runs as one launch of the whole-model kernel (``kernels.fused_mlp``; normalization included)
-    instead of one launch per layer. ``None`` = whenever it fits; its timings then come as one
+    ``fused``: with the triton backend, a small model (``kernels.fused_mlp.fused_mlp_supported``:
+    narrow layers, little weight in all) runs as one launch of the whole-model kernel (normalization
+    included) instead of one launch per layer. ``None`` = whenever it fits; its timings then come as one
     ``LayerTiming`` per batch with layer ``"fused_mlp"``, ``N = out_features``, ``K = in_features``.
 
     Timings (one ``LayerTiming`` per layer launch, to ``timing_sink``):

@@ -85,9 +85,10 @@ def test_bad_arguments_are_rejected():
         pack_mlp([weights[0], weights[0]], biases, "relu")
     with pytest.raises(ValueError, match="activation"):
         pack_mlp(weights, biases, "swish")
-    wide = random_mlp((3, MAX_WIDTH + 1, 2), torch.float32, "cpu")
-    with pytest.raises(ValueError, match="widths"):
-        fused_mlp(torch.randn(1, 3), pack_mlp(wide[0], wide[1], "relu"), wide[2], wide[3])
+    for widths in ((3, MAX_WIDTH + 1, 2), (MAX_WIDTH, MAX_WIDTH, 2)):  # too wide; too many weights
+        big = random_mlp(widths, torch.float32, "cpu")
+        with pytest.raises(ValueError, match="widths"):
+            fused_mlp(torch.randn(1, widths[0]), pack_mlp(big[0], big[1], "relu"), big[2], big[3])
 
 
 # Compiles the kernel for sm_90 and prints ptxas's report. Run in a child process: under
