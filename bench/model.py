@@ -41,7 +41,7 @@ IMPLS = ("fusedserve", "torch_eager", "torch_cuda_graph", "torch_compile")
 TORCH_IMPLS = IMPLS[1:]
 # torch.compile takes tens of seconds per shape: --quick compiles these batches only, within a budget.
 QUICK_COMPILE_BATCHES = (1, 64)
-QUICK_COMPILE_BUDGET_S = 90
+QUICK_COMPILE_BUDGET_S = 60
 # Each timed repeat runs back-to-back calls for about this long.
 REPEAT_TARGET_US = 2000
 # Largest |fusedserve - torch eager| allowed, relative to the largest |torch eager| output: a few
@@ -73,7 +73,7 @@ def build_models() -> dict[str, tuple[MLP, MLP]]:
     return pairs
 
 
-def time_calls(step) -> float:
+def time_calls(step, repeats: int) -> float:
     """Median microseconds per call of ``step`` over repeats of back-to-back calls."""
     for _ in range(3):
         step()
@@ -87,7 +87,7 @@ def time_calls(step) -> float:
     estimate_us = max(start.elapsed_time(end) * 1e3 / 3, 1.0)
     calls = int(min(200, max(5, REPEAT_TARGET_US / estimate_us)))
     samples = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start.record()
         for _ in range(calls):
             step()
@@ -144,7 +144,7 @@ def check(name, batch, impl, got, want, problems):
         log(f"    MISMATCH {problems[-1]}")
 
 
-def bench(pairs, quick):
+def bench(pairs, quick, repeats):
     rows, problems, compile_spent = [], [], 0.0
     for name, (fused_model, torch_model) in pairs.items():
         torch._dynamo.reset()  # each model compiles afresh, within dynamo's recompile limits
@@ -166,7 +166,7 @@ def bench(pairs, quick):
                     log("    torch_compile: skipped (--quick)")
                 for impl, step in steps.items():
                     check(name, batch, impl, step(), want, problems)
-                    us = time_calls(step)
+                    us = time_calls(step, repeats)
                     rows.append({"model": name, "batch": batch, "impl": impl, "median_us": round(us, 2)})
                     log(f"    {impl:17s} {us:10.1f} us")
             del steps
@@ -227,7 +227,6 @@ def plot(rows, path):
 
 
 def main():
-    global REPEATS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--quick", action="store_true",
@@ -236,10 +235,10 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/model.py needs a CUDA GPU")
-    REPEATS = 5 if args.quick else 15
+    repeats = 5 if args.quick else 15
     started = time.perf_counter()
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    rows, problems = bench(build_models(), args.quick)
+    rows, problems = bench(build_models(), args.quick, repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "gpu": torch.cuda.get_device_name(),
@@ -247,7 +246,7 @@ def main():
         "torch": torch.__version__,
         "triton": triton.__version__,
         "method": "CUDA events around back-to-back calls on a GPU-resident input; median over "
-                  f"{REPEATS} repeats of elapsed/calls; host copies excluded for every impl",
+                  f"{repeats} repeats of elapsed/calls; host copies excluded for every impl",
         "rows": rows,
     }
     json_path = args.out / f"model_{args.tag}.json"
@@ -258,8 +257,6 @@ def main():
     if problems:
         raise SystemExit("results differ from torch eager:\n  " + "\n  ".join(problems))
 
-
-REPEATS = 15
 
 if __name__ == "__main__":
     main()
