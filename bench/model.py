@@ -227,7 +227,7 @@ def plot(rows, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--quick", action="store_true",
                         help=f"fewer repeats; torch.compile only at batches {QUICK_COMPILE_BATCHES}")

@@ -230,7 +230,8 @@ class ModelRunner:
             # graph's output stays referenced, so no capture reuses another's output.
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a stats reader flushing timings on another thread must not break it.
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._forward(bucket, None)
         except Exception:  # any failure: eager launches give the same answers, only slower
             log.warning("CUDA graph capture failed for %r at M=%d; it runs eager launches from now on",
