@@ -49,7 +49,8 @@ class ModelRunner:
       ``timing_sample_every``-th batch runs layer by layer with events instead of the graph. The
       stats then describe 1 batch in ``timing_sample_every``, eager-launched (the same kernels and
       configs, without the graph's saved launch overhead, which events do not measure anyway).
-    ``pending_timings()`` counts timings still waiting on their events; ``flush_timings()`` waits
+    On the per-layer path the input normalization (a few elementwise ops) is not part of any
+    layer's time. ``pending_timings()`` counts timings still waiting on their events; ``flush_timings()`` waits
     for them and hands them to the sink.
     """
 
