@@ -41,9 +41,11 @@ port, dest = sys.argv[1], sys.argv[2]
 base = f"http://127.0.0.1:{port}"
 digits = load_digits()
 x, y = digits.data[:200].tolist(), digits.target[:200].tolist()
-r = httpx.post(f"{base}/infer", json={"model": "digits", "inputs": x}, timeout=30)
-r.raise_for_status()
-pred = [max(range(10), key=row.__getitem__) for row in r.json()["outputs"]]
+pred = []
+for i in range(0, len(x), 50):  # the default --max-batch-size is 64 rows per request
+    r = httpx.post(f"{base}/infer", json={"model": "digits", "inputs": x[i:i + 50]}, timeout=30)
+    r.raise_for_status()
+    pred += [max(range(10), key=row.__getitem__) for row in r.json()["outputs"]]
 acc = sum(p == t for p, t in zip(pred, y)) / len(y)
 print(f"e2e: {len(y)} digits over POST /infer on the GPU, accuracy {acc:.3f}")
 stats = httpx.get(f"{base}/kernel-stats", timeout=10).json()
@@ -63,7 +65,7 @@ PY
 for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
-        tests) stage tests 420 python3 -m pytest -m gpu -q -rs --no-header -p no:cacheprovider ;;
+        tests) stage tests 420 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --durations=15 --no-header -p no:cacheprovider ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 420 python3 bench/kernels.py --quick --out "$out" ;;
