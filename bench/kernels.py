@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -30,7 +31,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from kernels import KERNELS, fused_linear, kernel_choice, run_kernel  # noqa: E402  (needs sys.path)
+from kernels import KERNELS, autotune_cache, fused_linear, kernel_choice, run_kernel  # noqa: E402  (needs sys.path)
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
@@ -325,6 +326,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for the JSON and PNG")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats, no torch.compile")
+    parser.add_argument("--tune-cache", type=Path, default=None,
+                        help="fusedserve's tune cache directory (default OUT/tune_cache: configs tuned "
+                             "alone on the GPU, not under the contention of parallel test workers)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new shapes after this many seconds (default 180 quick, 480 full)")
     args = parser.parse_args()
@@ -333,6 +337,8 @@ def main():
     budget = args.budget_s or (180 if args.quick else 480)
     repeats = 7 if args.quick else 15
     args.out.mkdir(parents=True, exist_ok=True)
+    # Read when fusedserve first tunes, which is after this line.
+    os.environ[autotune_cache.ENV_VAR] = str(args.tune_cache or args.out / "tune_cache")
     t0 = time.perf_counter()
 
     copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
@@ -352,7 +358,7 @@ def main():
         log(f"[{i}/{len(shapes)} {time.perf_counter() - t0:5.0f}s] M={M} N={N} K={K} "
             f"{str(dtype).removeprefix('torch.')}: {cells}")
 
-    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    result = dict(gpu=torch.cuda.get_device_name(), tune_cache=os.environ[autotune_cache.ENV_VAR], date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
                   copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
     path = args.out / "kernels_h200.json"
