@@ -101,21 +101,48 @@ def test_config_str():
     assert autotune_cache.config_str({"BLOCK_M": 64, "num_warps": 4}) == "BLOCK_M=64,num_warps=4"
 
 
-def test_time_configs_skips_what_does_not_fit_and_warns_on_failures(monkeypatch):
-    from triton.runtime.errors import OutOfResources
+def fake_timer(fake_ms):
+    """A timer whose samples come from ``fake_ms[result of the call]`` (lists are consumed in order)."""
+    def timer(fn):
+        key = fn()  # called eagerly first, like the real timer: a bad config raises here
 
-    fake_ms = {"a": 2.0, "d": 1.0}
+        def sample(repeats):
+            values = fake_ms[key]
+            return [values.pop(0) if isinstance(values, list) else values for _ in range(repeats)]
+        return sample
+    return timer
+
+
+def test_time_configs_skips_what_does_not_fit_and_warns_on_failures():
+    from triton.runtime.errors import OutOfResources
 
     def run(option):
         if option == "b":
             raise OutOfResources(300000, 232448, "shared memory")
         if option == "c":
             raise RuntimeError("kernel c does not build here")
-        return fake_ms[option]
+        return option
 
-    monkeypatch.setattr(autotune_cache.triton.testing, "do_bench", lambda fn, **kw: fn())
+    timer = fake_timer({"a": 2.0, "d": 1.0})
     with pytest.warns(RuntimeWarning, match="candidate c failed.*does not build"):
-        timings, best = autotune_cache.time_configs(["a", "b", "c", "d"], run)
+        timings, best = autotune_cache.time_configs(["a", "b", "c", "d"], run, timer=timer)
     assert best == "d" and timings == [(2.0, "a"), (1.0, "d")]
     with pytest.raises(RuntimeError, match="does not build"), pytest.warns(RuntimeWarning):
-        autotune_cache.time_configs(["b", "c"], run)
+        autotune_cache.time_configs(["b", "c"], run, timer=timer)
+
+
+def test_time_configs_retimes_the_finalists_and_trusts_the_second_round():
+    first, final = autotune_cache._FIRST_REPEATS, autotune_cache._FINAL_ROUNDS * autotune_cache._FINAL_REPEATS
+    # "a" looked fastest in the first round by luck; the re-timing shows "b" is faster. "d" is
+    # fourth in the first round, so it is not a finalist and is never sampled again.
+    fake_ms = {"a": [1.0] * first + [3.0] * final, "b": [1.5] * first + [2.0] * final,
+               "c": [1.6] * first + [2.5] * final, "d": [1.7] * first}
+    timings, best = autotune_cache.time_configs(["a", "b", "c", "d"], lambda o: o, timer=fake_timer(fake_ms))
+    assert best == "b", timings
+    assert all(v == [] for v in fake_ms.values()), f"samples left unread: {fake_ms}"
+
+
+def test_time_configs_with_one_candidate_times_it_once():
+    fake_ms = {"a": [1.0] * autotune_cache._FIRST_REPEATS}
+    assert autotune_cache.time_configs(["a"], lambda o: o, timer=fake_timer(fake_ms))[1] == "a"
+    assert fake_ms["a"] == []

@@ -207,7 +207,7 @@ def test_tuning_times_every_candidate_once_and_caches_the_winner(monkeypatch, tm
     monkeypatch.setenv(autotune_cache.ENV_VAR, str(tmp_path))
     timed = []
 
-    def fake_time_configs(options, run):
+    def fake_time_configs(options, run, timer=None):
         for option in options:
             y = run(option)
             assert_matches(y, x, w, b, "relu")
