@@ -1,14 +1,16 @@
-"""A whole narrow MLP in one launch: input normalization, every fused linear layer, the output.
+"""A whole MLP as one short chain of launches: input normalization fused into the first layer,
+bias and activation fused into every layer's epilogue.
 
 ``y = L_n(...act(L_1(act(L_0((x - shift) * scale))))...)`` with ``L_i(h) = h @ W_i^T + b_i`` and no
-activation after the last layer. Each program owns ``BLOCK_M`` rows and carries them through every
-layer, so one launch replaces one launch per layer (at small batches the launches, not the math,
-set the time). A layer's output is written to a per-row scratch buffer in the model dtype (the
-same rounding as the layer-by-layer path) and read back as the next layer's input by the same
-program: a few KB per program that stay in L1/L2, never round-tripping through a separate launch.
-Layers are walked in ``BLOCK_N`` output columns x ``BLOCK_K`` input columns, so any width works;
-``MAX_WIDTH`` only says which models are narrow enough to be worth it. Every layer's weights are
-packed into one buffer (``pack_mlp``) once, when the runner is built.
+activation after the last layer. Layer-by-layer torch needs two extra launches for the
+normalization and one per activation; here each layer is exactly one launch, and layer 0 reads the
+raw float32 input and normalizes it while loading (rounded to the model dtype, as
+``MLP.normalize`` does). Each launch spreads its layer over a grid of ``BLOCK_M x BLOCK_N`` output
+tiles, so even a batch of 1 uses many SMs (a single program walking every layer, the previous
+design, streamed all the weights through one SM: ~130 us for the digits model on an H200).
+
+Under a CUDA graph the chain replays as ``len(layers)`` kernel nodes with no Python in between.
+Every layer's weights are packed into one buffer (``pack_mlp``) once, when the runner is built.
 """
 
 from __future__ import annotations
@@ -24,11 +26,6 @@ import triton.language as tl
 from kernels.activations import ACTIVATIONS, apply_activation
 
 NAME = "triton_fused_mlp"
-# Which models the runner sends here. A program walks all of every layer's weights by itself (a
-# small batch is one program on one SM), so only models whose weights one SM streams in a few
-# microseconds qualify; past that the per-layer kernels, which spread a layer over all SMs, win.
-MAX_WIDTH = 512
-MAX_WEIGHT_BYTES = 512 * 1024
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -37,20 +34,21 @@ class PackedMLP(NamedTuple):
 
     weights: torch.Tensor  # all W_i [N_i, K_i] flattened back to back, model dtype
     biases: torch.Tensor  # all b_i [N_i] back to back, model dtype
-    meta: torch.Tensor  # int32 [layers, 4]: N_i, K_i, offset of W_i, offset of b_i
+    offsets: tuple[tuple[int, int], ...]  # per layer: (offset of W_i, offset of b_i), in elements
     widths: tuple[int, ...]  # (K_0, N_0, N_1, ..., N_last)
     activation: str
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.widths) - 1
 
 
 def fused_mlp_supported(widths, dtype, device) -> bool:
     """Whether ``fused_mlp`` takes a model of these feature widths (input first) on this device:
-    every width <= ``MAX_WIDTH`` and all weights together <= ``MAX_WEIGHT_BYTES``."""
+    any widths in float32/float16/bfloat16, on CUDA or on the CPU under ``TRITON_INTERPRET=1``."""
     device = torch.device(device)
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if dtype not in _DTYPES:
-        return False
-    weight_bytes = sum(k * n for k, n in pairwise(widths)) * dtype.itemsize
-    return (len(widths) >= 2 and max(widths) <= MAX_WIDTH and weight_bytes <= MAX_WEIGHT_BYTES
+    return (dtype in _DTYPES and len(widths) >= 2
             and (device.type == "cuda" or (device.type == "cpu" and interpreting)))
 
 
@@ -62,7 +60,7 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
         raise ValueError(f"weights and biases must be non-empty lists of equal length, got "
                          f"{len(weights)} and {len(biases)}")
     widths = [weights[0].shape[1]]
-    meta, w_offset, b_offset = [], 0, 0
+    offsets, w_offset, b_offset = [], 0, 0
     for i, (w, b) in enumerate(zip(weights, biases)):
         if w.dim() != 2 or w.shape[1] != widths[-1]:
             raise ValueError(f"weights[{i}] must be [N, {widths[-1]}], got {tuple(w.shape)}")
@@ -70,32 +68,32 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
             raise ValueError(f"biases[{i}] must be [{w.shape[0]}], got {tuple(b.shape)}")
         if w.dtype != weights[0].dtype or b.dtype != w.dtype or w.device != weights[0].device:
             raise TypeError(f"weights[{i}]/biases[{i}] must share weights[0]'s dtype and device")
-        meta.append((w.shape[0], w.shape[1], w_offset, b_offset))
+        offsets.append((w_offset, b_offset))
         w_offset += w.numel()
         b_offset += b.numel()
         widths.append(w.shape[0])
-    device = weights[0].device
     return PackedMLP(
         weights=torch.cat([w.reshape(-1) for w in weights]).contiguous(),
         biases=torch.cat(list(biases)).contiguous(),
-        meta=torch.tensor(meta, dtype=torch.int32, device=device),
+        offsets=tuple(offsets),
         widths=tuple(widths),
         activation=activation,
     )
 
 
-def fused_mlp_config(M: int) -> dict:
-    """Block sizes by batch. Every program reads all the weights (from L2 after the first), so
-    small row blocks are cheap, and they give a mid-size batch enough programs to cover the GPU's
-    SMs (132 on an H200): 16 rows up to M=2048, 32 rows up to 132 programs of them, then 64.
+def fused_mlp_config(M: int, N: int, dtype: torch.dtype) -> dict:
+    """Tile sizes for one layer by batch. Small batches are latency-bound: narrow tiles give a
+    layer many programs (a 256-wide layer at batch 1 gets 16), each streaming a slice of W with a
+    few loads in flight. Larger batches take square tiles. 16-bit types read twice the K per byte.
     Each of these compiles for sm_90 without register spills (see tests/kernels/test_fused_mlp.py)."""
-    if M <= 2048:
-        # One program streams every weight at batch 1: 4 stages keep 3 W tiles (48 KB in fp32) in
-        # flight, since one SM's share of L2 bandwidth is bounded by bytes in flight / latency.
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-    if M <= 32 * 132:
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2}
+    wide_k = 128 if dtype != torch.float32 else 64
+    if M <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": wide_k, "num_warps": 4, "num_stages": 3}
+    if M <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    if M <= 512 or N <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
 
 
 def config_str(config: dict) -> str:
@@ -103,126 +101,109 @@ def config_str(config: dict) -> str:
 
 
 @triton.jit
-def _layer(
-    # pointers: this layer's input rows, W [N, K], b [N], output rows; normalization (layer 0)
+def _fused_mlp_layer_kernel(
+    # pointers: this layer's input [M, K] (raw fp32 for layer 0), W [N, K], b [N], output [M, N];
+    # the normalization [K] fp32 (read by layer 0 only)
     src_ptr, w_ptr, b_ptr, dst_ptr, shift_ptr, scale_ptr,
     # sizes and row strides (column strides are 1)
-    M, N, K, stride_src, stride_dst, row0,
+    M, N, K, stride_src, stride_dst,
     # meta-parameters
     NORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     UPCAST_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dst[rows, :N] = act(src[rows, :K] @ W^T + b) for this program's BLOCK_M rows."""
-    rows = row0 + tl.arange(0, BLOCK_M)
+    """dst[m, n] = act(norm(src)[m, :] @ W[n, :] + b[n]) for this program's BLOCK_M x BLOCK_N tile."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
+    col_ok = cols < N
     dtype = w_ptr.dtype.element_ty
-    for n0 in range(0, N, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_src + ks[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORMALIZE:
-                # Raw fp32 inputs, normalized in fp32 then rounded to the model dtype (as MLP.normalize).
-                shift = tl.load(shift_ptr + ks, mask=k_ok, other=0.0)
-                scale = tl.load(scale_ptr + ks, mask=k_ok, other=0.0)
-                a = ((a - shift[None, :]) * scale[None, :]).to(dtype)
-            # The [BLOCK_K, BLOCK_N] tile of W^T, read straight from W [N, K].
-            w = tl.load(w_ptr + ks[:, None] + cols[None, :] * K,
-                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST_BF16:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
-        # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
-        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc = apply_activation(acc + bias[None, :], ACTIVATION)
-        tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_dst + cols[None, :],
-                 acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_src + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORMALIZE:
+            # Raw fp32 inputs, normalized in fp32 then rounded to the model dtype (as MLP.normalize).
+            # Masked columns load scale 0, so they contribute exact zeros.
+            shift = tl.load(shift_ptr + ks, mask=k_ok, other=0.0)
+            scale = tl.load(scale_ptr + ks, mask=k_ok, other=0.0)
+            a = ((a - shift[None, :]) * scale[None, :]).to(dtype)
+        # The [BLOCK_K, BLOCK_N] tile of W^T, read straight from W [N, K].
+        w = tl.load(w_ptr + ks[:, None] + cols[None, :].to(tl.int64) * K,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST_BF16:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+    # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
+    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = apply_activation(acc + bias[None, :], ACTIVATION)
+    tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_dst + cols[None, :],
+             acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _fused_mlp_kernel(
-    # pointers: raw input [M, K_0] fp32, normalization [K_0] fp32, packed layers, scratch
-    # [2, M, widest hidden layer] (model dtype), output [M, N_last]
-    x_ptr, shift_ptr, scale_ptr, w_ptr, b_ptr, meta_ptr, scratch_ptr, y_ptr,
-    # sizes and strides (stride_sb: from one scratch buffer to the other)
-    M, stride_xm, stride_sb, stride_sm, stride_ym,
-    # meta-parameters
-    NUM_LAYERS: tl.constexpr, ACTIVATION: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    row0 = tl.program_id(0) * BLOCK_M
-    if NUM_LAYERS == 1:
-        _layer(x_ptr, w_ptr, b_ptr, y_ptr, shift_ptr, scale_ptr,
-               M, tl.load(meta_ptr), tl.load(meta_ptr + 1), stride_xm, stride_ym, row0,
-               True, "none", INPUT_PRECISION, UPCAST_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        # First layer: raw input -> scratch[0].
-        _layer(x_ptr, w_ptr, b_ptr, scratch_ptr, shift_ptr, scale_ptr,
-               M, tl.load(meta_ptr), tl.load(meta_ptr + 1), stride_xm, stride_sm, row0,
-               True, ACTIVATION, INPUT_PRECISION, UPCAST_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
-        # Every thread's stores must be visible before any thread reads them as the next input.
-        tl.debug_barrier()
-        # Hidden layers: scratch[(i - 1) % 2] -> scratch[i % 2].
-        for i in range(1, NUM_LAYERS - 1):
-            _layer(scratch_ptr + ((i - 1) % 2) * stride_sb, w_ptr + tl.load(meta_ptr + 4 * i + 2),
-                   b_ptr + tl.load(meta_ptr + 4 * i + 3), scratch_ptr + (i % 2) * stride_sb,
-                   shift_ptr, scale_ptr,
-                   M, tl.load(meta_ptr + 4 * i), tl.load(meta_ptr + 4 * i + 1), stride_sm, stride_sm,
-                   row0, False, ACTIVATION, INPUT_PRECISION, UPCAST_BF16, BLOCK_M, BLOCK_N, BLOCK_K)
-            tl.debug_barrier()
-        # Last layer, no activation: scratch -> y.
-        last = NUM_LAYERS - 1
-        _layer(scratch_ptr + ((last - 1) % 2) * stride_sb, w_ptr + tl.load(meta_ptr + 4 * last + 2),
-               b_ptr + tl.load(meta_ptr + 4 * last + 3), y_ptr, shift_ptr, scale_ptr,
-               M, tl.load(meta_ptr + 4 * last), tl.load(meta_ptr + 4 * last + 1), stride_sm,
-               stride_ym, row0, False, "none", INPUT_PRECISION, UPCAST_BF16,
-               BLOCK_M, BLOCK_N, BLOCK_K)
+def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch.Tensor,
+                    scale: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """Layer ``index`` of a packed MLP, one launch: ``[M, K_index] -> [M, N_index]`` in the model dtype.
 
-
-def fused_mlp(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: torch.Tensor,
-              config: dict | None = None) -> torch.Tensor:
-    """The whole MLP on raw inputs: ``x [M, K_0]`` float32 -> ``[M, N_last]`` in the model dtype.
-
-    ``shift``/``scale``: float32 ``[K_0]``, applied as ``(x - shift) * scale`` before layer 0.
-    ``config``: block sizes (default ``fused_mlp_config(M)``).
+    Layer 0 takes the raw float32 input and applies ``(h - shift) * scale`` (float32 ``[K_0]``)
+    while loading it; later layers take the previous layer's output and ignore shift/scale.
+    Every layer but the last applies ``packed.activation``. ``config``: tile sizes (default
+    ``fused_mlp_config``).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != packed.widths[0] or x.shape[0] < 1:
-        raise ValueError(f"x must be float32 [M >= 1, {packed.widths[0]}], got {x.dtype} {list(x.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    for name, t in (("shift", shift), ("scale", scale)):
-        if t.dtype != torch.float32 or tuple(t.shape) != (packed.widths[0],) or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 [{packed.widths[0]}], got "
-                             f"{t.dtype} {list(t.shape)}")
+    if not isinstance(h, torch.Tensor):
+        raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < packed.num_layers:
+        raise ValueError(f"index must be a layer number in [0, {packed.num_layers}), got {index!r}")
     dtype = packed.weights.dtype
-    if not fused_mlp_supported(packed.widths, dtype, x.device):
-        raise ValueError(f"fused_mlp does not take widths {packed.widths} ({dtype}) on {x.device}: "
-                         f"widths must be <= {MAX_WIDTH}, weights <= {MAX_WEIGHT_BYTES} bytes, on CUDA "
-                         "or under TRITON_INTERPRET=1")
-    M = x.shape[0]
-    config = dict(fused_mlp_config(M) if config is None else config)
-    interpreting = x.device.type == "cpu"
-    out = torch.empty(M, packed.widths[-1], device=x.device, dtype=dtype)
-    hidden = max(packed.widths[1:-1], default=1)
-    scratch = torch.empty(2, M, hidden, device=x.device, dtype=dtype)
+    K, N = packed.widths[index], packed.widths[index + 1]
+    want_dtype = torch.float32 if index == 0 else dtype
+    if h.dtype != want_dtype or h.dim() != 2 or h.shape[1] != K or h.shape[0] < 1:
+        raise ValueError(f"h must be {want_dtype} [M >= 1, {K}] for layer {index}, got {h.dtype} "
+                         f"{list(h.shape)}")
+    if h.device != packed.weights.device:
+        raise ValueError(f"h must be on {packed.weights.device} (the weights' device), got {h.device}")
+    if not fused_mlp_supported(packed.widths, dtype, h.device):
+        raise ValueError(f"fused_mlp takes float32/float16/bfloat16 models on CUDA or under "
+                         f"TRITON_INTERPRET=1; got {dtype} on {h.device}")
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    if index == 0:
+        for name, t in (("shift", shift), ("scale", scale)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (K,) \
+                    or not t.is_contiguous() or t.device != h.device:
+                raise ValueError(f"{name} must be a contiguous float32 [{K}] tensor on {h.device}, "
+                                 f"got {getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{list(getattr(t, 'shape', []))}")
+    M = h.shape[0]
+    config = dict(fused_mlp_config(M, N, dtype) if config is None else config)
+    interpreting = h.device.type == "cpu"
+    out = torch.empty(M, N, device=h.device, dtype=dtype)
+    w_offset, b_offset = packed.offsets[index]
     fp32_ieee = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    grid = (triton.cdiv(M, config["BLOCK_M"]),)
-    _fused_mlp_kernel[grid](
-        x, shift, scale, packed.weights, packed.biases, packed.meta, scratch, out,
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
+    normalize = index == 0
+    _fused_mlp_layer_kernel[grid](
+        h, packed.weights[w_offset:], packed.biases[b_offset:], out,
+        shift if normalize else h, scale if normalize else h,  # unread unless NORMALIZE
         # Sizes are plain ints: Triton turns any that equals 1 (M at batch 1) into a constant.
-        M, x.stride(0), scratch.stride(0), scratch.stride(1), out.stride(0),
-        NUM_LAYERS=len(packed.widths) - 1, ACTIVATION=packed.activation,
+        M, N, K, h.stride(0), out.stride(0),
+        NORMALIZE=normalize,
+        ACTIVATION=packed.activation if index < packed.num_layers - 1 else "none",
         INPUT_PRECISION="ieee" if fp32_ieee or interpreting else "tf32",
         # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
         UPCAST_BF16=interpreting and dtype == torch.bfloat16,
         **config,
     )
     return out
+
+
+def fused_mlp(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor,
+              scale: torch.Tensor) -> torch.Tensor:
+    """The whole MLP on raw inputs: ``x [M, K_0]`` float32 -> ``[M, N_last]`` in the model dtype,
+    one ``fused_mlp_layer`` launch per layer."""
+    h = x
+    for index in range(packed.num_layers):
+        h = fused_mlp_layer(h, packed, index, shift, scale)
+    return h

@@ -10,7 +10,11 @@ import torch
 from kernels.timing import LayerTiming, PendingEvents, TimingSink
 from models.mlp import MLP
 
-FUSED_LAYER = "fused_mlp"  # the launch-site name of the one-launch whole-model kernel
+# The two ways to compute a batch. "fused": kernels.fused_mlp, one launch per layer with the input
+# normalization fused into the first; "layers": MLP.normalize, then each layer's own module.
+PATHS = ("fused", "layers")
+# Warm-up times each candidate path with this many rounds of back-to-back calls (best round wins).
+CHOICE_ROUNDS, CHOICE_CALLS = 3, 10
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +36,28 @@ class ModelRunner:
     float32 on the CPU. Rows are independent, so padded rows (whatever an earlier batch left
     there) never change real rows; they are computed and dropped.
 
-    ``warmup()`` runs every bucket once, which autotunes the kernels for each shape, and on CUDA
-    then captures one CUDA graph per bucket (capturing only after tuning: timing configs inside a
-    capture would break it). If a capture fails, the runner logs why and launches eagerly.
+    ``warmup()`` warms every bucket: each candidate path runs once (autotuning its kernels at that
+    shape), then on CUDA one CUDA graph per path is captured (only after tuning: timing configs
+    inside a capture would break it). If a capture fails, the runner logs why and launches eagerly.
 
-    ``fused``: with the triton backend, a small model (``kernels.fused_mlp.fused_mlp_supported``:
-    narrow layers, little weight in all) runs as one launch of the whole-model kernel (normalization
-    included) instead of one launch per layer. ``None`` = whenever it fits; its timings then come as one
-    ``LayerTiming`` per batch with layer ``"fused_mlp"``, ``N = out_features``, ``K = in_features``.
+    Paths (``PATHS``): with the triton backend a bucket runs either "fused" (``kernels.fused_mlp``:
+    one launch per layer, the input normalization fused into the first) or "layers" (normalization,
+    then each layer's ``kernels.fused_linear``). ``fused=None`` measures both on CUDA at warm-up
+    (CUDA events around back-to-back graph replays, as ``compute`` runs them) and keeps the faster
+    per bucket (``path(bucket)``, ``path_seconds``); on the CPU interpreter it takes "fused".
+    ``fused=True``/``False`` forces one path. The torch backend always runs "layers".
 
-    Timings (one ``LayerTiming`` per layer launch, to ``timing_sink``):
+    Timings (one ``LayerTiming`` per layer launch, to ``timing_sink``, layers named ``layers.<i>``):
     - CPU: ``time.perf_counter`` around each layer (the CPU computes synchronously).
-    - CUDA, eager: CUDA events around each layer, kept pending and resolved at a later ``run`` once
-      the GPU has passed them (``event.query()``); nothing synchronizes just for timing.
-    - CUDA graphs: a replay hides individual kernels, so timings are sampled: every
-      ``timing_sample_every``-th batch runs layer by layer with events instead of the graph. The
-      stats then describe 1 batch in ``timing_sample_every``, eager-launched (the same kernels and
-      configs, without the graph's saved launch overhead, which events do not measure anyway).
-    On the per-layer path the input normalization (a few elementwise ops) is not part of any
-    layer's time. ``pending_timings()`` counts timings still waiting on their events; ``flush_timings()`` waits
-    for them and hands them to the sink.
+    - CUDA, eager: CUDA events around each layer, kept pending and resolved once the GPU has passed
+      them: at the next ``run``, or whenever ``collect_timings()`` is called (a non-blocking sweep
+      a stats reader can trigger). Nothing synchronizes just for timing.
+    - CUDA graphs: a replay hides individual kernels, so timings are sampled: the first batch of each
+      bucket and then every ``timing_sample_every``-th batch of that bucket runs layer by layer with
+      events instead of the graph (the same kernels and configs, without the graph's saved launch
+      overhead, which events do not measure anyway).
+    On the "layers" path the input normalization is not part of any layer's time; on the "fused"
+    path it is part of layer 0's. ``flush_timings()`` waits for every pending timing.
     """
 
     def __init__(self, model: MLP, *, max_batch_size: int, timing_sink: TimingSink | None = None,
@@ -77,7 +83,13 @@ class ModelRunner:
             raise ValueError(f"cuda_graphs=True needs a model on CUDA; {self.name!r} is on {self.device}")
         self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
         self.buckets = batch_buckets(max_batch_size)
-        self.fused = self._use_fused(fused)
+        self.fused = self._use_fused(fused)  # whether the fused path is a candidate
+        if not self.fused:
+            self._candidates = ("layers",)
+        elif fused is None and on_cuda:
+            self._candidates = PATHS
+        else:
+            self._candidates = ("fused",)
         self._packed = None
         if self.fused:
             from kernels.fused_mlp import pack_mlp
@@ -88,22 +100,24 @@ class ModelRunner:
         self._input = torch.zeros(max_batch_size, self.in_features, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self._warm: set[int] = set()
+        self._paths: dict[int, str] = {}
+        self.path_seconds: dict[int, dict[str, float]] = {}  # bucket -> {path: seconds per call}
         self._pending = PendingEvents()
-        self._batches = 0
-        self._kernels: dict[tuple[int, int], tuple[str, str]] = {}
+        self._batches: dict[int, int] = {}  # batches run per bucket
+        self._kernels: dict[tuple[str, int, int], tuple[str, str]] = {}
 
     # -- public API --------------------------------------------------------------------------
 
     def warmup(self) -> dict[int, float]:
-        """Run every bucket once (autotuning) and capture its CUDA graph; seconds per bucket."""
+        """Warm every bucket (autotuning, path choice, CUDA-graph capture); seconds per bucket."""
         seconds = {}
         for i, bucket in enumerate(self.buckets, 1):
             start = time.perf_counter()
             self._warm_bucket(bucket)
             seconds[bucket] = time.perf_counter() - start
-            log.info("warm-up %r: bucket %d/%d (M=%d) took %.3f s%s", self.name, i, len(self.buckets),
-                     bucket, seconds[bucket], " (CUDA graph captured)" if bucket in self._graphs else "")
+            log.info("warm-up %r: bucket %d/%d (M=%d) took %.3f s, path %s%s", self.name, i,
+                     len(self.buckets), bucket, seconds[bucket], self._paths[bucket],
+                     " (CUDA graph captured)" if bucket in self._graphs else "")
         return seconds
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,18 +125,27 @@ class ModelRunner:
         rows = self._check_input(x)
         bucket = next(b for b in self.buckets if b >= rows)
         self._emit(self._pending.ready())
-        if bucket not in self._warm:
+        if bucket not in self._paths:
             self._warm_bucket(bucket)
         self._input[:rows].copy_(x)
-        self._batches += 1
-        sampled = self.timing_sink is not None and self._batches % self.timing_sample_every == 0
-        with torch.no_grad():
-            if bucket in self._graphs and not sampled:
-                graph, out = self._graphs[bucket]
-                graph.replay()
-            else:
-                out = self._forward(bucket, rows if self.timing_sink is not None else None)
+        count = self._batches.get(bucket, 0)
+        self._batches[bucket] = count + 1
+        timed = self.timing_sink is not None and (bucket not in self._graphs
+                                                  or count % self.timing_sample_every == 0)
+        captured = None if timed else self._graphs.get(bucket)
+        if captured is not None:
+            captured[0].replay()
+            out = captured[1]
+        else:
+            with torch.no_grad():
+                out = self._forward(bucket, rows if timed else None, self._paths[bucket])
         return out[:rows].float().cpu()
+
+    def path(self, bucket: int) -> str | None:
+        """The path ("fused" or "layers") that ``bucket`` runs; None until the bucket is warmed."""
+        if bucket not in self.buckets:
+            raise ValueError(f"bucket must be one of {self.buckets}, got {bucket!r}")
+        return self._paths.get(bucket)
 
     @property
     def input_buffer(self) -> torch.Tensor:
@@ -134,20 +157,29 @@ class ModelRunner:
         replay when captured), without copies or timings: what a benchmark measures. Returns the
         device output ``[bucket, out_features]``; with graphs it is the graph's static buffer, which
         the next call overwrites."""
+        captured = self._graphs.get(bucket)
+        if captured is not None:  # the hot path: one replay, nothing else
+            captured[0].replay()
+            return captured[1]
         if bucket not in self.buckets:
             raise ValueError(f"bucket must be one of {self.buckets}, got {bucket!r}")
-        if bucket not in self._warm:
+        if bucket not in self._paths:
             self._warm_bucket(bucket)
-        with torch.no_grad():
             if bucket in self._graphs:
-                graph, out = self._graphs[bucket]
-                graph.replay()
-                return out
-            return self._forward(bucket, None)
+                return self.compute(bucket)
+        with torch.no_grad():
+            return self._forward(bucket, None, self._paths[bucket])
 
     def pending_timings(self) -> int:
         """Layer timings whose CUDA events the GPU has not reached (or nobody has read) yet."""
         return len(self._pending)
+
+    def collect_timings(self) -> int:
+        """Hand every timing whose events the GPU has passed to the sink, without waiting for the
+        rest; returns how many. Safe to call from another thread than ``run``'s (a stats reader)."""
+        done = self._pending.ready()
+        self._emit(done)
+        return len(done)
 
     def flush_timings(self) -> int:
         """Wait for every pending timing and hand it to the sink; returns how many."""
@@ -172,22 +204,24 @@ class ModelRunner:
             raise ValueError(f"x must have 1 to {self.max_batch_size} rows (max_batch_size), got {rows}")
         return rows
 
-    def _forward(self, bucket: int, rows: int | None) -> torch.Tensor:
-        """The model on the first ``bucket`` input rows; each launch timed when ``rows`` is set."""
+    def _forward(self, bucket: int, rows: int | None, path: str) -> torch.Tensor:
+        """The model on the first ``bucket`` input rows by ``path``; each launch timed when ``rows`` is set."""
         x = self._input[:bucket]  # [bucket, in], raw float32
-        if self.fused:
-            from kernels.fused_mlp import fused_mlp
+        if path == "fused":
+            from kernels.fused_mlp import fused_mlp_layer
 
-            model = self.model
-            return self._launch(None, bucket, rows, lambda: fused_mlp(
-                x, self._packed, model.input_shift, model.input_scale))  # [bucket, out]
+            model, packed, h = self.model, self._packed, x
+            for i in range(packed.num_layers):  # [bucket, in] -> [bucket, hidden[i]] ... -> [bucket, out]
+                h = self._launch(path, i, bucket, rows, lambda i=i, h=h: fused_mlp_layer(
+                    h, packed, i, model.input_shift, model.input_scale))
+            return h
         h = self.model.normalize(x)  # [bucket, in], model dtype
         for i, layer in enumerate(self.model.layers):
-            h = self._launch(i, bucket, rows, lambda layer=layer, h=h: layer(h))
+            h = self._launch(path, i, bucket, rows, lambda layer=layer, h=h: layer(h))
         return h  # [bucket, out]
 
-    def _launch(self, layer_index: int | None, bucket: int, rows: int | None, compute):
-        """``compute()``, timed as layer ``layer_index`` (None: the fused kernel) when ``rows`` is set."""
+    def _launch(self, path: str, layer_index: int, bucket: int, rows: int | None, compute):
+        """``compute()``, timed as layer ``layer_index`` of ``path`` when ``rows`` is set."""
         if rows is None:
             return compute()
         if self.device.type == "cuda":
@@ -195,11 +229,11 @@ class ModelRunner:
             start.record()
             out = compute()
             end.record()
-            self._pending.add(self._timing(layer_index, rows, bucket, 0.0), start, end)
+            self._pending.add(self._timing(path, layer_index, rows, bucket, 0.0), start, end)
             return out
         start = time.perf_counter()
         out = compute()
-        self._emit([self._timing(layer_index, rows, bucket, time.perf_counter() - start)])
+        self._emit([self._timing(path, layer_index, rows, bucket, time.perf_counter() - start)])
         return out
 
     def _use_fused(self, fused: bool | None) -> bool:
@@ -210,66 +244,100 @@ class ModelRunner:
         fits = self.backend == "triton" and fused_mlp_supported(self.model.config.widths, self.dtype,
                                                                 self.device)
         if fused and not fits:
-            raise ValueError(f"fused=True but model {self.name!r} (widths {self.model.config.widths}, "
-                             f"{self.dtype}, backend {self.backend}, {self.device}) does not fit the "
-                             "fused MLP kernel: it needs the triton backend and narrow layers")
+            raise ValueError(f"fused=True but model {self.name!r} ({self.dtype}, backend "
+                             f"{self.backend}, {self.device}) cannot run kernels.fused_mlp: it needs "
+                             "the triton backend")
         return fits
 
     def _warm_bucket(self, bucket: int) -> None:
+        on_cuda = self.device.type == "cuda"
         with torch.no_grad():
-            self._forward(bucket, None)  # first launch of each kernel at this shape autotunes it
-            if self.device.type == "cuda":
+            for path in self._candidates:
+                self._forward(bucket, None, path)  # the first launch at this shape autotunes/compiles
+            if on_cuda:
                 torch.cuda.synchronize(self.device)
-        self._warm.add(bucket)
-        if self.cuda_graphs:
-            self._capture(bucket)
+        graphs = {}
+        for path in self._candidates if self.cuda_graphs else ():
+            captured = self._capture(bucket, path)
+            if captured is None:
+                graphs = {}
+                break
+            graphs[path] = captured
+        chosen = self._candidates[0]
+        if len(self._candidates) > 1:
+            seconds = {path: self._time_path(bucket, path, graphs.get(path)) for path in self._candidates}
+            self.path_seconds[bucket] = seconds
+            chosen = min(seconds, key=seconds.get)
+            log.info("%r at M=%d runs the %s path (%s)", self.name, bucket, chosen,
+                     ", ".join(f"{p} {s * 1e6:.1f} us" for p, s in seconds.items()))
+        self._paths[bucket] = chosen
+        if chosen in graphs:
+            self._graphs[bucket] = graphs[chosen]
 
-    def _capture(self, bucket: int) -> None:
+    def _time_path(self, bucket: int, path: str, captured) -> float:
+        """Seconds per call of ``path`` at ``bucket`` (graph replays when captured), best of a few rounds."""
+        if captured is not None:
+            step = captured[0].replay
+        else:
+            def step():
+                self._forward(bucket, None, path)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        with torch.no_grad():
+            step()
+            for _ in range(CHOICE_ROUNDS):
+                start.record()
+                for _ in range(CHOICE_CALLS):
+                    step()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3 / CHOICE_CALLS)  # elapsed_time is in ms
+        return best
+
+    def _capture(self, bucket: int, path: str):
+        """``(graph, static output)`` of ``path`` at ``bucket``, or None (and eager from now on) if capture fails."""
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
-            # One memory pool for every bucket's graph: they never replay at the same time, and each
-            # graph's output stays referenced, so no capture reuses another's output.
+            # One memory pool for every graph of this runner: they never replay at the same time, and
+            # each kept graph's output stays referenced, so no capture reuses another's output.
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            # thread_local: a stats reader flushing timings on another thread must not break it.
+            # thread_local: a stats reader collecting timings on another thread must not break it.
             with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._forward(bucket, None)
+                out = self._forward(bucket, None, path)
         except Exception:  # any failure: eager launches give the same answers, only slower
-            log.warning("CUDA graph capture failed for %r at M=%d; it runs eager launches from now on",
-                        self.name, bucket, exc_info=True)
+            log.warning("CUDA graph capture failed for %r at M=%d (%s path); it runs eager launches "
+                        "from now on", self.name, bucket, path, exc_info=True)
             self.cuda_graphs = False
             self._graphs.clear()
             # A broken device (not just a refused capture) must surface here, not in a later batch.
             torch.cuda.synchronize(self.device)
-            return
-        self._graphs[bucket] = (graph, out)
+            return None
+        return graph, out
 
-    def _timing(self, layer_index: int | None, rows: int, bucket: int, seconds: float) -> LayerTiming:
-        kernel, config = self._kernel(layer_index, bucket)
-        if layer_index is None:
-            name, N, K = FUSED_LAYER, self.out_features, self.in_features
-        else:
-            layer = self.model.layers[layer_index]
-            name, N, K = f"layers.{layer_index}", layer.out_features, layer.in_features
-        return LayerTiming(model=self.name, layer=name, rows=rows, M=bucket, N=N, K=K,
+    def _timing(self, path: str, layer_index: int, rows: int, bucket: int, seconds: float) -> LayerTiming:
+        kernel, config = self._kernel(path, layer_index, bucket)
+        layer = self.model.layers[layer_index]
+        return LayerTiming(model=self.name, layer=f"layers.{layer_index}", rows=rows, M=bucket,
+                           N=layer.out_features, K=layer.in_features,
                            dtype=str(self.dtype).removeprefix("torch."), backend=self.backend,
                            kernel=kernel, config=config, seconds=seconds)
 
-    def _kernel(self, layer_index: int | None, bucket: int) -> tuple[str, str]:
-        key = (layer_index, bucket)
+    def _kernel(self, path: str, layer_index: int, bucket: int) -> tuple[str, str]:
+        key = (path, layer_index, bucket)
         if key in self._kernels:
             return self._kernels[key]
-        if layer_index is None:
+        layer = self.model.layers[layer_index]
+        if path == "fused":
             from kernels import fused_mlp
 
-            choice = (fused_mlp.NAME, fused_mlp.config_str(fused_mlp.fused_mlp_config(bucket)))
+            config = fused_mlp.fused_mlp_config(bucket, layer.out_features, self.dtype)
+            choice = (fused_mlp.NAME, fused_mlp.config_str(config))
         elif self.backend == "torch":
-            activation = self.model.layers[layer_index].activation
-            choice = ("torch.linear" if activation == "none" else f"torch.linear+{activation}", "")
+            choice = ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")
         else:
             import kernels
 
-            layer = self.model.layers[layer_index]
             choice = kernels.kernel_choice(bucket, layer.out_features, layer.in_features, self.dtype,
                                            self.device)
         if choice[1] or self.backend == "torch":  # "" = not tuned yet: ask again next time

@@ -119,15 +119,31 @@ def test_triton_backend_under_the_interpreter_matches_torch(fused):
     x = torch.randn(3, 17)
     # float32 with ieee dots in the interpreter: only summation order differs.
     torch.testing.assert_close(runner.run(x), reference(x), rtol=1e-5, atol=1e-5)
-    expected = [("fused_mlp", 5, 17)] if fused else [("layers.0", 70, 17), ("layers.1", 3, 70), ("layers.2", 5, 3)]
-    assert [(t.layer, t.N, t.K) for t in sink.timings] == expected
+    assert runner.path(4) == ("fused" if fused else "layers") and runner.path(8) is None
+    # One timing per layer launch on either path; the fused path names its own kernel.
+    assert [(t.layer, t.N, t.K) for t in sink.timings] == [("layers.0", 70, 17), ("layers.1", 3, 70),
+                                                          ("layers.2", 5, 3)]
     assert all(t.backend == "triton" and t.kernel and t.config and t.M == 4 for t in sink.timings), sink.timings
+    assert all((t.kernel == "triton_fused_mlp") is fused for t in sink.timings), sink.timings
 
 
 def test_fused_is_only_automatic_with_the_triton_backend():
-    assert not ModelRunner(make_model(), max_batch_size=4).fused
+    runner = ModelRunner(make_model(), max_batch_size=4)
+    assert not runner.fused
+    runner.warmup()
+    assert [runner.path(b) for b in runner.buckets] == ["layers"] * 3 and runner.path_seconds == {}
     with pytest.raises(ValueError, match="fused=True"):
         ModelRunner(make_model(), max_batch_size=4, fused=True)
+    with pytest.raises(ValueError, match="bucket"):
+        runner.path(3)
+
+
+def test_collect_timings_has_nothing_pending_on_the_cpu():
+    sink = ListSink()
+    runner = ModelRunner(make_model(), max_batch_size=4, timing_sink=sink)
+    runner.run(torch.randn(1, 17))
+    # perf_counter timings reach the sink during run; no events wait for collection.
+    assert len(sink.timings) == 3 and runner.collect_timings() == 0 and runner.pending_timings() == 0
 
 
 def test_compute_runs_a_bucket_on_the_input_buffer():
