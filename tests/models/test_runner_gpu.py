@@ -1,4 +1,9 @@
-"""ModelRunner on CUDA: CUDA graphs, asynchronous event timings, triton vs torch backends."""
+"""ModelRunner on CUDA: CUDA graphs, asynchronous event timings, the path choice, triton vs torch.
+
+Kept fast on purpose: every bucket of every layer on the "layers" path tunes kernels.fused_linear
+(seconds per shape), so those tests use max_batch_size=1 (one bucket); the fused path compiles one
+kernel per tile config, so its tests afford a few buckets (padding 3 rows to 4 included).
+"""
 
 import pytest
 import torch
@@ -7,7 +12,8 @@ from models import MLP, MLPConfig, ModelRunner
 
 pytestmark = pytest.mark.gpu
 
-MAX_BATCH = 130
+FUSED_MAX_BATCH = 5  # buckets [1, 2, 4, 5]
+IN, HIDDEN, OUT = 100, 70, 10
 
 
 class ListSink:
@@ -20,94 +26,99 @@ class ListSink:
 
 def make_model(backend, dtype="float32"):
     torch.manual_seed(0)
-    config = MLPConfig(in_features=100, hidden_features=(256, 70), out_features=10, dtype=dtype)
+    config = MLPConfig(in_features=IN, hidden_features=(HIDDEN,), out_features=OUT, dtype=dtype)
     model = MLP(config, backend=backend, device="cuda", name="gpu_tiny").eval().requires_grad_(False)
     model.input_shift.uniform_(-1, 1)
     model.input_scale.uniform_(0.5, 2)
     return model
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_graphs_on_and_off_give_equal_outputs(fused):
+@pytest.mark.parametrize("fused, max_batch, rows_list", [(True, FUSED_MAX_BATCH, (1, 3, 5)), (False, 1, (1,))])
+def test_graphs_on_and_off_give_equal_outputs(fused, max_batch, rows_list):
     model = make_model("triton")
-    graphed = ModelRunner(model, max_batch_size=MAX_BATCH, cuda_graphs=True, fused=fused)
-    eager = ModelRunner(model, max_batch_size=MAX_BATCH, cuda_graphs=False, fused=fused)
+    graphed = ModelRunner(model, max_batch_size=max_batch, cuda_graphs=True, fused=fused)
+    eager = ModelRunner(model, max_batch_size=max_batch, cuda_graphs=False, fused=fused)
     graphed.warmup()
     eager.warmup()
     assert graphed.cuda_graphs, "capture fell back to eager launches: see the logged warning"
     assert sorted(graphed._graphs) == graphed.buckets
     torch.manual_seed(1)
-    for rows in (1, 3, 17, 100, MAX_BATCH):
-        x = torch.randn(rows, 100)
+    for rows in rows_list:
+        x = torch.randn(rows, IN)
         # Same kernels, same configs, same buffers: a graph replay must be bitwise equal.
         torch.testing.assert_close(graphed.run(x), eager.run(x), rtol=0, atol=0,
-                                   msg=lambda m, rows=rows: f"rows={rows}: {m}")
+                                   msg=lambda m, rows=rows: f"fused={fused} rows={rows}: {m}")
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_timings_arrive_after_a_few_runs(cuda_graphs):
+def test_first_batch_and_every_nth_are_timed_and_collected_without_a_later_batch(cuda_graphs):
     sink = ListSink()
-    runner = ModelRunner(make_model("triton"), max_batch_size=MAX_BATCH, timing_sink=sink,
-                         cuda_graphs=cuda_graphs, timing_sample_every=2, fused=False)
+    runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, timing_sink=sink,
+                         cuda_graphs=cuda_graphs, timing_sample_every=3, fused=True)
     runner.warmup()
-    for _ in range(8):
-        runner.run(torch.randn(17, 100))
-    # Each run resolves the previous runs' events; flush takes the last ones.
-    arrived_before_flush = len(sink.timings)
+    assert sink.timings == [], "warm-up must not record timings"
+    runner.run(torch.randn(3, IN))
+    torch.cuda.synchronize()  # the GPU is past the events; only a collection is missing
+    assert runner.collect_timings() == 2, "the first batch of a bucket must be timed, one timing per layer"
+    for _ in range(7):
+        runner.run(torch.randn(3, IN))
     runner.flush_timings()
-    batches_timed = 8 if not cuda_graphs else 4  # every 2nd batch when graphs hide the kernels
-    assert len(sink.timings) == 3 * batches_timed, f"{len(sink.timings)} timings: {sink.timings}"
-    assert arrived_before_flush > 0, "no timing was resolved by later runs"
+    batches_timed = 8 if not cuda_graphs else 3  # with graphs: batches 0, 3 and 6 of the bucket
+    assert len(sink.timings) == 2 * batches_timed, f"{len(sink.timings)} timings: {sink.timings}"
     assert runner.pending_timings() == 0
     for t in sink.timings:
-        assert (t.rows, t.M, t.backend) == (17, 32, "triton"), t
-        assert t.kernel and t.config, f"kernel/config unknown after warm-up: {t}"
-        assert 0 < t.seconds < 0.1, t
-    assert [(t.N, t.K) for t in sink.timings[:3]] == [(256, 100), (70, 256), (10, 70)]
-
-
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_fused_kernel_timings_arrive(cuda_graphs):
-    sink = ListSink()
-    runner = ModelRunner(make_model("triton"), max_batch_size=MAX_BATCH, timing_sink=sink,
-                         cuda_graphs=cuda_graphs, timing_sample_every=2)
-    assert runner.fused, "a 100-256-70-10 model should take the fused MLP kernel"
-    runner.warmup()
-    for _ in range(8):
-        runner.run(torch.randn(3, 100))
-    runner.flush_timings()
-    assert len(sink.timings) == (4 if cuda_graphs else 8), sink.timings
-    for t in sink.timings:
-        assert (t.layer, t.rows, t.M, t.N, t.K, t.kernel) == ("fused_mlp", 3, 4, 10, 100, "triton_fused_mlp"), t
+        assert (t.rows, t.M, t.backend, t.kernel) == (3, 4, "triton", "triton_fused_mlp"), t
         assert t.config and 0 < t.seconds < 0.1, t
+    assert [(t.layer, t.N, t.K) for t in sink.timings[:2]] == [("layers.0", HIDDEN, IN), ("layers.1", OUT, HIDDEN)]
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("dtype, tol", [
+def test_layers_path_timings_name_the_tuned_kernels():
+    sink = ListSink()
+    runner = ModelRunner(make_model("triton"), max_batch_size=1, timing_sink=sink, fused=False)
+    runner.warmup()
+    runner.run(torch.randn(1, IN))
+    runner.flush_timings()
+    assert [(t.layer, t.N, t.K) for t in sink.timings] == [("layers.0", HIDDEN, IN), ("layers.1", OUT, HIDDEN)]
+    for t in sink.timings:
+        assert t.kernel and t.kernel != "triton_fused_mlp" and t.config, f"kernel/config unknown after warm-up: {t}"
+
+
+@pytest.mark.parametrize("dtype, fused, max_batch, tol", [
     # fp32 with TF32 off (torch's default): ieee dots, only summation order differs.
-    ("float32", 1e-4),
-    # 16-bit: outputs round to 11 (fp16) / 8 (bf16) mantissa bits at every layer; 3 layers.
-    ("float16", 1e-2),
-    ("bfloat16", 5e-2),
+    ("float32", True, FUSED_MAX_BATCH, 1e-4),
+    ("float32", False, 1, 1e-4),
+    # 16-bit: outputs round to 11 (fp16) / 8 (bf16) mantissa bits at every layer; 2 layers.
+    ("float16", True, FUSED_MAX_BATCH, 1e-2),
+    ("bfloat16", True, FUSED_MAX_BATCH, 5e-2),
+    ("bfloat16", None, 1, 5e-2),  # automatic: both paths timed, the faster kept
 ])
-def test_triton_backend_matches_torch_on_gpu(dtype, tol, fused):
-    fused_runner = ModelRunner(make_model("triton", dtype), max_batch_size=MAX_BATCH, fused=fused)
-    reference = ModelRunner(make_model("torch", dtype), max_batch_size=MAX_BATCH)
-    fused_runner.warmup()
+def test_triton_backend_matches_torch_on_gpu(dtype, fused, max_batch, tol):
+    runner = ModelRunner(make_model("triton", dtype), max_batch_size=max_batch, fused=fused)
+    reference = ModelRunner(make_model("torch", dtype), max_batch_size=max_batch)
+    runner.warmup()
     reference.warmup()
+    if fused is None:
+        seconds = runner.path_seconds[1]
+        assert sorted(seconds) == ["fused", "layers"] and all(0 < s < 0.1 for s in seconds.values()), seconds
+        assert runner.path(1) == min(seconds, key=seconds.get), (runner.path(1), seconds)
+    else:
+        assert runner.path_seconds == {}, "a forced path must not be timed"
+        assert {runner.path(b) for b in runner.buckets} == {"fused" if fused else "layers"}
     torch.manual_seed(2)
-    for rows in (1, 3, 17, MAX_BATCH):
-        x = torch.randn(rows, 100)
-        torch.testing.assert_close(fused_runner.run(x), reference.run(x), rtol=tol, atol=tol,
+    for rows in (1, 3, 5):
+        if rows > max_batch:
+            break
+        x = torch.randn(rows, IN)
+        torch.testing.assert_close(runner.run(x), reference.run(x), rtol=tol, atol=tol,
                                    msg=lambda m, rows=rows: f"{dtype} fused={fused} rows={rows}: {m}")
 
 
 def test_compute_replays_the_graph_run_uses():
-    runner = ModelRunner(make_model("triton"), max_batch_size=MAX_BATCH)
-    x = torch.randn(17, 100)
+    runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, fused=True)
+    x = torch.randn(3, IN)
     via_run = runner.run(x)
-    runner.input_buffer[:17].copy_(x)
-    out = runner.compute(32)
-    assert out.device.type == "cuda" and out.shape == (32, 10)
+    runner.input_buffer[:3].copy_(x)
+    out = runner.compute(4)
+    assert 4 in runner._graphs and out.device.type == "cuda" and out.shape == (4, OUT)
     # The same captured graph on the same rows: bitwise equal.
-    torch.testing.assert_close(out[:17].float().cpu(), via_run, rtol=0, atol=0)
+    torch.testing.assert_close(out[:3].float().cpu(), via_run, rtol=0, atol=0)
