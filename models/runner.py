@@ -53,21 +53,27 @@ class ModelRunner:
       them: at the next ``run``, or whenever ``collect_timings()`` is called (a non-blocking sweep
       a stats reader can trigger). Nothing synchronizes just for timing.
     - CUDA graphs: a replay hides individual kernels, so timings are sampled: the first batch of each
-      bucket and then every ``timing_sample_every``-th batch of that bucket runs layer by layer with
-      events instead of the graph (the same kernels and configs, without the graph's saved launch
-      overhead, which events do not measure anyway).
+      bucket runs layer by layer with events instead of the graph (the same kernels and configs,
+      without the graph's saved launch overhead, which events do not measure anyway), then the next
+      batch of that bucket that is at least ``timing_sample_every`` batches and
+      ``timing_min_interval_s`` seconds after the last timed one. A timed batch costs ~100 us of
+      Python launches more than a replay; the interval caps that at a fraction of a percent of
+      the GPU's time however fast batches come.
     On the "layers" path the input normalization is not part of any layer's time; on the "fused"
     path it is part of layer 0's. ``flush_timings()`` waits for every pending timing.
     """
 
     def __init__(self, model: MLP, *, max_batch_size: int, timing_sink: TimingSink | None = None,
                  cuda_graphs: bool | None = None, timing_sample_every: int = 16,
-                 fused: bool | None = None):
+                 timing_min_interval_s: float = 0.02, fused: bool | None = None):
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a models.MLP, got {type(model).__name__}")
         for name, value in (("max_batch_size", max_batch_size), ("timing_sample_every", timing_sample_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(timing_min_interval_s, bool) or not isinstance(timing_min_interval_s, (int, float)) \
+                or not timing_min_interval_s >= 0:
+            raise ValueError(f"timing_min_interval_s must be a number >= 0, got {timing_min_interval_s!r}")
         self.model = model.eval()
         self.name = model.name
         self.in_features = model.config.in_features
@@ -78,6 +84,7 @@ class ModelRunner:
         self.dtype = model.config.torch_dtype
         self.timing_sink = timing_sink
         self.timing_sample_every = timing_sample_every
+        self.timing_min_interval_s = float(timing_min_interval_s)
         on_cuda = self.device.type == "cuda"
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a model on CUDA; {self.name!r} is on {self.device}")
@@ -104,6 +111,7 @@ class ModelRunner:
         self.path_seconds: dict[int, dict[str, float]] = {}  # bucket -> {path: seconds per call}
         self._pending = PendingEvents()
         self._batches: dict[int, int] = {}  # batches run per bucket
+        self._last_timed: dict[int, tuple[int, float]] = {}  # bucket -> (batch number, monotonic time)
         self._kernels: dict[tuple[str, int, int], tuple[str, str]] = {}
 
     # -- public API --------------------------------------------------------------------------
@@ -128,10 +136,7 @@ class ModelRunner:
         if bucket not in self._paths:
             self._warm_bucket(bucket)
         self._input[:rows].copy_(x)
-        count = self._batches.get(bucket, 0)
-        self._batches[bucket] = count + 1
-        timed = self.timing_sink is not None and (bucket not in self._graphs
-                                                  or count % self.timing_sample_every == 0)
+        timed = self.timing_sink is not None and self._timing_due(bucket)
         captured = None if timed else self._graphs.get(bucket)
         if captured is not None:
             captured[0].replay()
@@ -203,6 +208,20 @@ class ModelRunner:
         if not 1 <= rows <= self.max_batch_size:
             raise ValueError(f"x must have 1 to {self.max_batch_size} rows (max_batch_size), got {rows}")
         return rows
+
+    def _timing_due(self, bucket: int) -> bool:
+        """Whether this batch of ``bucket`` runs with per-layer events (see the class docstring)."""
+        count = self._batches.get(bucket, 0)
+        self._batches[bucket] = count + 1
+        if bucket not in self._graphs:
+            return True  # eager launches anyway: events cost next to nothing
+        now = time.monotonic()
+        last = self._last_timed.get(bucket)
+        if last is not None and (count - last[0] < self.timing_sample_every
+                                 or now - last[1] < self.timing_min_interval_s):
+            return False
+        self._last_timed[bucket] = (count, now)
+        return True
 
     def _forward(self, bucket: int, rows: int | None, path: str) -> torch.Tensor:
         """The model on the first ``bucket`` input rows by ``path``; each launch timed when ``rows`` is set."""

@@ -102,6 +102,8 @@ def test_bad_arguments_are_rejected():
         ModelRunner(make_model(), max_batch_size=0)
     with pytest.raises(ValueError, match="timing_sample_every"):
         ModelRunner(make_model(), max_batch_size=4, timing_sample_every=0)
+    with pytest.raises(ValueError, match="timing_min_interval_s"):
+        ModelRunner(make_model(), max_batch_size=4, timing_min_interval_s=-1.0)
     with pytest.raises(TypeError, match="model"):
         ModelRunner(torch.nn.Linear(2, 2), max_batch_size=4)
     with pytest.raises(ValueError, match="cuda_graphs"):

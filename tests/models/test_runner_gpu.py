@@ -54,7 +54,8 @@ def test_graphs_on_and_off_give_equal_outputs(fused, max_batch, rows_list):
 def test_first_batch_and_every_nth_are_timed_and_collected_without_a_later_batch(cuda_graphs):
     sink = ListSink()
     runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, timing_sink=sink,
-                         cuda_graphs=cuda_graphs, timing_sample_every=3, fused=True)
+                         cuda_graphs=cuda_graphs, timing_sample_every=3, timing_min_interval_s=0,
+                         fused=True)
     runner.warmup()
     assert sink.timings == [], "warm-up must not record timings"
     runner.run(torch.randn(3, IN))
@@ -70,6 +71,18 @@ def test_first_batch_and_every_nth_are_timed_and_collected_without_a_later_batch
         assert (t.rows, t.M, t.backend, t.kernel) == (3, 4, "triton", "triton_fused_mlp"), t
         assert t.config and 0 < t.seconds < 0.1, t
     assert [(t.layer, t.N, t.K) for t in sink.timings[:2]] == [("layers.0", HIDDEN, IN), ("layers.1", OUT, HIDDEN)]
+
+
+def test_min_interval_caps_how_often_graph_batches_are_timed():
+    sink = ListSink()
+    runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, timing_sink=sink,
+                         timing_sample_every=1, timing_min_interval_s=3600, fused=True)
+    runner.warmup()
+    for _ in range(5):
+        runner.run(torch.randn(1, IN))
+    runner.flush_timings()
+    # Only the bucket's first batch: the next one would be due by count but not by time.
+    assert len(sink.timings) == 2, sink.timings
 
 
 def test_layers_path_timings_name_the_tuned_kernels():
