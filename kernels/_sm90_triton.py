@@ -44,8 +44,16 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu"):
                              {**common, **precision, **config})]
     if module is small_m:
         part = MockTensor(torch.float32, [config["SPLIT_K"], M, N])
-        kernels = [compile_sm90(small_m._small_m_kernel, (x, w, b, y, part, M, N, K, K, K, N),
-                                {**common, **precision, "BLOCK_M": small_m.block_m(M), **config})]
+        args = (x, w, b, y, part, M, N, K, K, K, N)
+        if config.get("GEMV"):
+            meta = {k: v for k, v in config.items() if k != "GEMV"}
+            kernels = [compile_sm90(small_m._gemv_kernel, args,
+                                    dict(HAS_BIAS=True, ACTIVATION=activation,
+                                         BLOCK_M=triton.next_power_of_2(M), STAGES=meta["num_stages"],
+                                         **meta))]
+        else:
+            kernels = [compile_sm90(small_m._small_m_kernel, args,
+                                    {**common, **precision, "BLOCK_M": small_m.block_m(M), **config})]
         if config["SPLIT_K"] > 1:
             kernels.append(compile_sm90(small_m._split_k_reduce_kernel, (part, b, y, M, N, N),
                                         dict(HAS_BIAS=True, ACTIVATION=activation, SPLIT_K=config["SPLIT_K"],
@@ -62,13 +70,17 @@ def plan():
     """(module, M, N, K, dtype, config, activation): every candidate of every kernel, in bf16 and
     (where it runs fp32) in fp32, and each activation once."""
     jobs = []
-    for module, (M, N, K) in ((small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
+    for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (3, 4096, 4096)),
+                              (small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
                               (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704))):
         jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu") for cfg in module.candidates(M, N, K, torch.bfloat16)]
-    for module, (M, N, K) in ((small_m, (5, 1000, 704)), (small_m, (300, 1000, 704)), (tiled, (300, 1000, 704))):
+    for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (5, 1000, 704)), (small_m, (16, 1000, 704)),
+                              (small_m, (300, 1000, 704)), (tiled, (300, 1000, 704))):
         jobs += [(module, M, N, K, torch.float32, cfg, "relu") for cfg in module.candidates(M, N, K, torch.float32)]
     jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704, torch.float16)[0], act)
              for module in (small_m, tiled, tma_persistent) for act in ACTIVATIONS]
+    gemv = next(cfg for cfg in small_m.candidates(3, 1000, 704, torch.float16) if cfg.get("GEMV"))
+    jobs += [(small_m, 3, 1000, 704, torch.float16, gemv, act) for act in ACTIVATIONS]
     return jobs
 
 

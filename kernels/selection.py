@@ -138,7 +138,6 @@ def choose(kernels, x2d, weight, bias, activation):
         return launch(option[0], option[1], xs, ws, bs, activation)
 
     _, best = autotune_cache.time_configs(options, run, timer=autotune_cache.default_timer(len(sets)))
-    del sets
     _tune_cache(torch.cuda.get_device_name(x2d.device)).put(
         _tune_key(kernels, M, N, K, x2d.dtype), {"kernel": best[0], "config": best[1]})
     return best

@@ -162,12 +162,56 @@ def test_small_m_split_k_with_empty_splits(split_k):
     assert_matches(out, x, w, b, "silu")
 
 
+@pytest.mark.parametrize("M,N,K,dtype,split_k,activation", [
+    (1, 33, 130, torch.bfloat16, 1, "relu"),  # one row: the elementwise accumulator
+    (1, 17, 100, torch.float32, 3, "none"),  # ... with split-K, some splits empty
+    (3, 70, 130, torch.float16, 2, "gelu"),  # a few rows: one reduction per row
+    (16, 17, 70, torch.float32, 1, "silu"),  # the most rows the GEMV variant takes
+])
+def test_small_m_gemv_variant(M, N, K, dtype, split_k, activation):
+    x, w, b = make(M, N, K, dtype)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    config = dict(small_m.INTERPRET_GEMV_CONFIG, SPLIT_K=split_k)
+    if DEVICE != "cpu":
+        config = next(c for c in small_m.candidates(1, 4096, 4096, dtype) if c.get("GEMV")) | dict(SPLIT_K=split_k)
+    small_m.launch(x, w, b, activation, out, config, input_precision="ieee", upcast_bf16=False)
+    assert_matches(out, x, w, b, activation)
+
+
+def test_small_m_gemv_refuses_too_many_rows():
+    x, w, b = make(small_m.GEMV_MAX_M + 1, 8, 8, torch.float32)
+    out = torch.empty((x.shape[0], 8), device=DEVICE)
+    with pytest.raises(ValueError, match="GEMV variant takes at most"):
+        small_m.launch(x, w, b, "relu", out, small_m.INTERPRET_GEMV_CONFIG, input_precision="ieee",
+                       upcast_bf16=False)
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 17, 64, 100, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_small_m_tunes_at_most_eight_configs_with_gemv_for_few_rows(M, dtype):
+    # Start-up tunes every batch bucket of every layer: the candidate count bounds that time.
+    for N, K in ((4096, 4096), (100, 130), (11008, 4096)):
+        configs = small_m.candidates(M, N, K, dtype)
+        assert 1 <= len(configs) <= 8, f"M={M} N={N} K={K} {dtype}: {len(configs)} configs"
+        gemv = [c for c in configs if c.get("GEMV")]
+        assert bool(gemv) == (M <= (16 if dtype == torch.float32 else 4)), f"M={M} {dtype}: {configs}"
+
+
+def _programs(M, N, cfg):
+    columns = 1 if cfg.get("GEMV") else -(-M // small_m.block_m(M))  # GEMV covers all rows at once
+    return -(-N // cfg["BLOCK_N"]) * columns * cfg["SPLIT_K"]
+
+
 def test_small_m_candidates_fill_the_gpu():
     for M, N, K in ((1, 4096, 4096), (16, 1024, 1024), (3, 11008, 4096), (1, 8, 8), (512, 4096, 4096)):
         for cfg in small_m.candidates(M, N, K, torch.bfloat16) + small_m.candidates(M, N, K, torch.float32):
             assert cfg["SPLIT_K"] >= 1
-            programs = -(-N // cfg["BLOCK_N"]) * -(-M // small_m.block_m(M)) * cfg["SPLIT_K"]
-            assert programs <= 2 * 264, f"{(M, N, K)} {cfg}: {programs} programs"
+            programs = _programs(M, N, cfg)
+            # Split-K is only there to fill the GPU: never past ~4 programs per SM of an H200.
+            assert cfg["SPLIT_K"] == 1 or programs <= 4 * 132, f"{(M, N, K)} {cfg}: {programs} programs"
+        if N * K >= 4096 * 4096:  # big layers: some config gives at least ~2 programs per SM
+            most = max(_programs(M, N, c) for c in small_m.candidates(M, N, K, torch.bfloat16))
+            assert most >= 2 * 132, f"{(M, N, K)}: at most {most} programs"
 
 
 @pytest.mark.parametrize("name,M,N,K,dtype", [
