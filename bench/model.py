@@ -1,52 +1,67 @@
 """Benchmark whole models: fusedserve's runner against torch eager, a torch CUDA graph and
-torch.compile(mode="reduce-overhead"), per model and batch size.
+torch.compile(mode="reduce-overhead"), per model and batch size; plus the cost of live timings.
 
 Run on a CUDA GPU from the repository root:
 
     python bench/model.py [--out bench/results] [--quick]
 
-Writes ``OUT/model_h200.json`` ({"gpu", "date", "rows": [{"model", "batch", "impl", "median_us"}],
-plus the torch/triton versions and the method}) and ``OUT/model_h200.png`` (latency per batch,
+Writes ``OUT/model_<tag>.json`` ({"gpu", "date", "rows": [{"model", "batch", "impl", "median_us",
+...}], "failures", "timing_overhead", the torch/triton versions and the method}; rewritten after
+every row, with "complete": false until the end) and ``OUT/model_<tag>.png`` (latency per batch,
 one panel per model), and prints a table and the targets of issue 4.
 
 Models: ``digits`` (the shipped 64-256-256-10 ReLU MLP, float32), ``mlp4x1024`` and ``mlp4x4096``
 (4 linear layers of that width, ReLU between them, bfloat16, random weights). Every impl computes
 the same function, input normalization included, on an input already on the GPU; copies to and
-from the host are left out for everyone. fusedserve is ``ModelRunner.compute``: the runner's
-CUDA-graph replay of its kernels (the one-launch fused MLP kernel where the model is narrow).
+from the host are left out for everyone. fusedserve is ``ModelRunner.compute``: one CUDA-graph
+replay of the path the runner chose for that bucket at warm-up (the row says which, and what
+each path measured then).
 
-Method: each impl is checked once against torch eager, warmed, then timed with CUDA events around
-back-to-back calls (so launch overhead counts, as it does in serving); the reported time is the
-median over repeats of (elapsed / calls). Weights stay wherever the previous call left them (the
-digits weights fit in L2; the mlp4x4096 weights, 128 MiB, do not).
+Method: the measurements run in child processes (``--worker``), one item (model, batch, impl) at
+a time: build, synchronize, check once against torch eager, time, release. A crash (a CUDA error
+poisons its process) loses one item: the parent records it under "failures" and starts a new
+child for the rest. torch.compile runs last, in its own child, so its CUDA-graph trees never share
+a process with the other graphs. Timing: CUDA events around back-to-back calls (launch overhead
+counts, as in serving); the median over repeats of elapsed / calls. Weights stay wherever the
+previous call left them (the digits weights fit in L2; the mlp4x4096 ones, 128 MiB, do not).
+
+Timing overhead: ``ModelRunner.run`` (host copies included, as the service calls it) on digits at
+batch 8, with a timing sink and without, alternating; issue 4 wants the difference under 2%.
 """
 
 import argparse
 import datetime
+import gc
 import json
+import queue
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch._dynamo
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model
 
+MODELS = ("digits", "mlp4x1024", "mlp4x4096")
 BATCHES = (1, 8, 64, 512, 4096)
 IMPLS = ("fusedserve", "torch_eager", "torch_cuda_graph", "torch_compile")
 TORCH_IMPLS = IMPLS[1:]
-# torch.compile takes tens of seconds per shape: --quick compiles these batches only, within a budget.
-QUICK_COMPILE_BATCHES = (1, 64)
-QUICK_COMPILE_BUDGET_S = 60
+OVERHEAD = ("digits", 8, "timing_overhead")  # the item that measures the cost of live timings
+# torch.compile takes tens of seconds per shape: --quick compiles these (model, batch) only.
+QUICK_COMPILE = (("digits", 1), ("mlp4x1024", 64))
 # Each timed repeat runs back-to-back calls for about this long.
 REPEAT_TARGET_US = 2000
-# Largest |fusedserve - torch eager| allowed, relative to the largest |torch eager| output: a few
+# Largest |impl - torch eager| allowed, relative to the largest |torch eager| output: a few
 # roundings of the dtype through 3-4 layers (TF32 is off, so float32 is ieee on both sides).
 CHECK_RTOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# A child that prints nothing for this long is stopped (a hang); the parent carries on without
+# that item's group. Tuning one bucket of mlp4x4096 takes tens of seconds, a compile up to a minute.
+SILENCE_TIMEOUT_S = 240
 
 
 def log(*args):
@@ -59,18 +74,20 @@ def target(model: str, batch: int) -> float:
     return 1.5 if small else 1.0
 
 
-def build_models() -> dict[str, tuple[MLP, MLP]]:
-    """``{name: (triton-backend model, torch-backend model)}`` with equal weights, on CUDA."""
-    pairs = {"digits": (load_model(DEFAULT_REPOSITORY / "digits", device="cuda", backend="triton"),
-                        load_model(DEFAULT_REPOSITORY / "digits", device="cuda", backend="torch"))}
-    for width in (1024, 4096):
-        torch.manual_seed(width)
-        config = MLPConfig(width, (width, width, width), width, dtype="bfloat16")
-        reference = MLP(config, backend="torch", device="cuda", name=f"mlp4x{width}")
-        fused = MLP(config, backend="triton", device="cuda", name=f"mlp4x{width}")
-        fused.load_state_dict(reference.state_dict())
-        pairs[reference.name] = (fused.eval().requires_grad_(False), reference.eval().requires_grad_(False))
-    return pairs
+# -- the child process: one model pair, one item at a time ------------------------------------
+
+def build_pair(name: str) -> tuple[MLP, MLP]:
+    """(triton-backend model, torch-backend model) with equal weights, on CUDA."""
+    if name == "digits":
+        return (load_model(DEFAULT_REPOSITORY / "digits", device="cuda", backend="triton"),
+                load_model(DEFAULT_REPOSITORY / "digits", device="cuda", backend="torch"))
+    width = int(name.removeprefix("mlp4x"))
+    torch.manual_seed(width)
+    config = MLPConfig(width, (width, width, width), width, dtype="bfloat16")
+    reference = MLP(config, backend="torch", device="cuda", name=name)
+    fused = MLP(config, backend="triton", device="cuda", name=name)
+    fused.load_state_dict(reference.state_dict())
+    return fused.eval().requires_grad_(False), reference.eval().requires_grad_(False)
 
 
 def time_calls(step, repeats: int) -> float:
@@ -97,15 +114,18 @@ def time_calls(step, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def fusedserve_step(model: MLP, x: torch.Tensor):
-    runner = ModelRunner(model, max_batch_size=x.shape[0])
-    runner.input_buffer.copy_(x)
+def fusedserve_step(model: MLP, x: torch.Tensor, info: dict):
     batch = x.shape[0]
-    log(f"    fusedserve: fused={runner.fused}, graphs={runner.cuda_graphs}")
+    runner = ModelRunner(model, max_batch_size=batch)
+    runner.input_buffer.copy_(x)
+    runner.compute(batch)  # warms this bucket: tuning, capture, the timed path choice
+    info.update(path=runner.path(batch), graphs=runner.cuda_graphs,
+                path_us={p: round(s * 1e6, 2) for p, s in runner.path_seconds.get(batch, {}).items()})
+    log(f"    fusedserve: path={info['path']} graphs={runner.cuda_graphs} measured={info['path_us']}")
     return lambda: runner.compute(batch)
 
 
-def graph_step(model: MLP, x: torch.Tensor):
+def graph_step(model: MLP, x: torch.Tensor, info: dict):
     # Warm on a side stream first (cuBLAS picks its kernels), as torch's graph docs do.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -119,7 +139,7 @@ def graph_step(model: MLP, x: torch.Tensor):
     return lambda: (graph.replay(), out)[1]
 
 
-def compile_step(model: MLP, x: torch.Tensor):
+def compile_step(model: MLP, x: torch.Tensor, info: dict):
     compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
 
     def step():
@@ -131,47 +151,181 @@ def compile_step(model: MLP, x: torch.Tensor):
     for _ in range(3):  # compile, then record the graph
         step()
     torch.cuda.synchronize()
-    log(f"    torch_compile: compiled and recorded in {time.perf_counter() - start:.1f} s")
+    info["compile_s"] = round(time.perf_counter() - start, 1)
+    log(f"    torch_compile: compiled and recorded in {info['compile_s']} s")
     return step
 
 
-def check(name, batch, impl, got, want, problems):
+def eager_step(model: MLP, x: torch.Tensor, info: dict):
+    return lambda: model(x)
+
+
+BUILDERS = {"fusedserve": fusedserve_step, "torch_eager": eager_step,
+            "torch_cuda_graph": graph_step, "torch_compile": compile_step}
+
+
+def check(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None when ``got`` matches torch eager's ``want``, else what differs."""
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item() or 1.0
     limit = CHECK_RTOL[want.dtype]
     if not err <= limit * scale:  # also catches NaN
-        problems.append(f"{name} batch={batch} {impl}: max |err| {err:.3g} > {limit} * {scale:.3g}")
-        log(f"    MISMATCH {problems[-1]}")
+        return f"max |err| {err:.3g} > {limit} * {scale:.3g}"
+    return None
 
 
-def bench(pairs, quick, repeats):
-    rows, problems, compile_spent = [], [], 0.0
-    for name, (fused_model, torch_model) in pairs.items():
-        torch._dynamo.reset()  # each model compiles afresh, within dynamo's recompile limits
-        for batch in BATCHES:
-            log(f"{name} batch={batch}")
+class CountingSink:
+    """What a stats object does per timing at the least: take a lock, keep the record."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.timings = []
+
+    def record_layer(self, timing):
+        with self.lock:
+            self.timings.append(timing)
+
+
+def timing_overhead(model: MLP, batch: int, rounds: int) -> dict:
+    """``ModelRunner.run`` per batch with and without a timing sink, alternating rounds."""
+    sink = CountingSink()
+    runners = {"off": ModelRunner(model, max_batch_size=batch),
+               "on": ModelRunner(model, max_batch_size=batch, timing_sink=sink)}
+    x = torch.rand(batch, model.config.in_features) * 16
+    for runner in runners.values():
+        runner.run(x)  # warms this bucket only (the sink-on runner times this first batch)
+    calls, samples = 500, {"off": [], "on": []}
+    for _ in range(rounds):
+        for key, runner in runners.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                runner.run(x)
+            samples[key].append((time.perf_counter() - start) / calls * 1e6)
+    off, on = statistics.median(samples["off"]), statistics.median(samples["on"])
+    runners["on"].flush_timings()
+    result = {"model": model.name, "batch": batch, "run_us_sink_off": round(off, 2),
+              "run_us_sink_on": round(on, 2), "overhead_pct": round((on - off) / off * 100, 2),
+              "timings_recorded": len(sink.timings), "batches_with_sink": rounds * calls}
+    log(f"    timing overhead: run() {off:.1f} us without a sink, {on:.1f} us with one "
+        f"({result['overhead_pct']:+.2f}%), {len(sink.timings)} layer timings recorded")
+    return result
+
+
+def worker(items: list[tuple[str, int, str]], repeats: int) -> None:
+    """Measure ``items`` in order; report each as a line ``ROW {json}`` (or ``OVERHEAD {json}``)."""
+    pairs, inputs = {}, {}
+    for name, batch, impl in items:
+        log(f"ITEM {name} {batch} {impl}")
+        if name not in pairs:
+            pairs[name] = build_pair(name)
+            torch._dynamo.reset()  # each model compiles afresh, within dynamo's recompile limits
+        fused_model, torch_model = pairs[name]
+        if impl == "timing_overhead":
+            log("OVERHEAD " + json.dumps(timing_overhead(fused_model, batch, rounds=5)))
+            continue
+        if (name, batch) not in inputs:
             torch.manual_seed(batch)
             x = 4 * torch.rand(batch, fused_model.config.in_features, device="cuda")
             with torch.no_grad():
-                want = torch_model(x)
-                steps = {"fusedserve": fusedserve_step(fused_model, x),
-                         "torch_eager": lambda model=torch_model, x=x: model(x),
-                         "torch_cuda_graph": graph_step(torch_model, x)}
-                compile_wanted = not quick or batch in QUICK_COMPILE_BATCHES
-                if compile_wanted and (not quick or compile_spent < QUICK_COMPILE_BUDGET_S):
-                    start = time.perf_counter()
-                    steps["torch_compile"] = compile_step(torch_model, x)
-                    compile_spent += time.perf_counter() - start
-                else:
-                    log("    torch_compile: skipped (--quick)")
-                for impl, step in steps.items():
-                    check(name, batch, impl, step(), want, problems)
-                    us = time_calls(step, repeats)
-                    rows.append({"model": name, "batch": batch, "impl": impl, "median_us": round(us, 2)})
-                    log(f"    {impl:17s} {us:10.1f} us")
-            del steps
-            torch.cuda.empty_cache()
-    return rows, problems
+                inputs[(name, batch)] = (x, torch_model(x))
+        x, want = inputs[(name, batch)]
+        info = {}
+        with torch.no_grad():
+            step = BUILDERS[impl](fused_model if impl == "fusedserve" else torch_model, x, info)
+            torch.cuda.synchronize()  # a build that broke the device fails here, named
+            problem = check(step(), want)
+            us = time_calls(step, repeats)
+        row = {"model": name, "batch": batch, "impl": impl, "median_us": round(us, 2), **info}
+        if problem:
+            row["mismatch"] = problem
+            log(f"    MISMATCH {name} batch={batch} {impl}: {problem}")
+        log(f"    {impl:17s} {us:10.1f} us")
+        log("ROW " + json.dumps(row))
+        del step
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# -- the parent: children, results file, summary ---------------------------------------------
+
+class Results:
+    """The JSON file, rewritten after every row so a later crash or kill keeps what was measured."""
+
+    def __init__(self, path: Path, repeats: int):
+        self.path = path
+        self.data = {
+            "gpu": torch.cuda.get_device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "method": "CUDA events around back-to-back calls on a GPU-resident input; median over "
+                      f"{repeats} repeats of elapsed/calls; host copies excluded for every impl; "
+                      "each (model, batch, impl) built, checked and timed alone in a child process",
+            "complete": False, "rows": [], "failures": [], "timing_overhead": [],
+        }
+
+    def add(self, key: str, value: dict) -> None:
+        self.data[key].append(value)
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    """Copy a child's output lines into ``lines``, then None at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def child_command(items, repeats: int) -> list[str]:
+    spec = ",".join(f"{n}:{b}:{i}" for n, b, i in items)
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", spec, "--repeats", str(repeats)]
+
+
+def run_children(items, repeats: int, results: Results) -> None:
+    """Measure ``items`` in child processes, restarting after a crash without the item that crashed."""
+    remaining = list(items)
+    while remaining:
+        proc = subprocess.Popen(child_command(remaining, repeats), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+        current, tail = None, []
+        while True:
+            try:
+                line = lines.get(timeout=SILENCE_TIMEOUT_S)
+            except queue.Empty:
+                log(f"  child {proc.pid} printed nothing for {SILENCE_TIMEOUT_S} s: stopping it")
+                proc.kill()
+                tail.append(f"killed after {SILENCE_TIMEOUT_S} s of silence")
+                break
+            if line is None:
+                break
+            line = line.rstrip("\n")
+            tail = (tail + [line])[-30:]
+            if line.startswith("ITEM "):
+                name, batch, impl = line.split()[1:]
+                current = (name, int(batch), impl)
+            elif line.startswith("ROW "):
+                results.add("rows", json.loads(line[4:]))
+            elif line.startswith("OVERHEAD "):
+                results.add("timing_overhead", json.loads(line[9:]))
+            log(line)
+            if line.startswith(("ROW ", "OVERHEAD ")):
+                remaining.remove(current)
+                current = None
+        rc = proc.wait()
+        if not remaining:
+            return
+        failed = current if current is not None else remaining[0]
+        log(f"  FAILED {failed} (child exit code {rc}); {len(remaining) - 1} items left")
+        results.add("failures", {"model": failed[0], "batch": failed[1], "impl": failed[2],
+                                 "exit_code": rc, "log_tail": tail[-12:]})
+        remaining.remove(failed)
+        if tail and tail[-1].startswith("killed"):
+            return  # a hang would hang again: leave the rest of this group
 
 
 def speedups(rows):
@@ -188,20 +342,30 @@ def speedups(rows):
     return out
 
 
-def print_summary(rows):
-    log(f"\n{'model':10s} {'batch':>5s} " + " ".join(f"{i:>17s}" for i in IMPLS) + "   speed-up  target")
-    cells = {(r["model"], r["batch"], r["impl"]): r["median_us"] for r in rows}
+def print_summary(data):
+    rows = data["rows"]
+    log(f"\n{'model':10s} {'batch':>5s} " + " ".join(f"{i:>17s}" for i in IMPLS) + "  path     speed-up  target")
+    cells = {(r["model"], r["batch"], r["impl"]): r for r in rows}
     misses = []
-    for (model, batch), (ours, best, theirs) in speedups(rows).items():
-        times = " ".join(f"{cells.get((model, batch, i), float('nan')):17.1f}" for i in IMPLS)
+    for (model, batch), (ours, best, theirs) in sorted(speedups(rows).items(), key=lambda kv: (MODELS.index(kv[0][0]), kv[0][1])):
+        times = " ".join(f"{cells[(model, batch, i)]['median_us'] if (model, batch, i) in cells else float('nan'):17.1f}"
+                         for i in IMPLS)
         ratio, want = theirs / ours, target(model, batch)
-        verdict = "ok" if ratio >= want else "MISSED"
         if ratio < want:
             misses.append(f"{model} batch={batch}: {ratio:.2f}x vs best torch ({best}), target {want}x")
-        log(f"{model:10s} {batch:5d} {times}   {ratio:6.2f}x   {want}x {verdict}")
+        path = cells[(model, batch, "fusedserve")].get("path", "?")
+        log(f"{model:10s} {batch:5d} {times}  {path:7s} {ratio:6.2f}x   {want}x {'ok' if ratio >= want else 'MISSED'}")
     log("\ntargets: " + ("all met" if not misses else f"{len(misses)} missed"))
     for miss in misses:
         log(f"  {miss}")
+    for o in data["timing_overhead"]:
+        verdict = "ok" if o["overhead_pct"] < 2 else "OVER the 2% target"
+        log(f"timing overhead ({o['model']} batch={o['batch']}, run() incl. host copies): "
+            f"{o['overhead_pct']:+.2f}% {verdict}")
+    for f in data["failures"]:
+        log(f"FAILED {f['model']} batch={f['batch']} {f['impl']}: exit {f['exit_code']}; last lines:")
+        for line in f["log_tail"][-5:]:
+            log(f"    {line}")
 
 
 def plot(rows, path):
@@ -210,7 +374,9 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(r["model"] for r in rows))
+    names = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    if not names:
+        return
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         for impl in IMPLS:
@@ -230,32 +396,39 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--quick", action="store_true",
-                        help=f"fewer repeats; torch.compile only at batches {QUICK_COMPILE_BATCHES}")
+                        help=f"fewer repeats; torch.compile only at {QUICK_COMPILE}")
     parser.add_argument("--tag", default="h200", help="file name suffix: model_<tag>.json/.png")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # child mode: model:batch:impl,...
+    parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/model.py needs a CUDA GPU")
+    if args.worker:
+        items = [(n, int(b), i) for n, b, i in (s.split(":") for s in args.worker.split(","))]
+        worker(items, args.repeats)
+        return
     repeats = 5 if args.quick else 15
     started = time.perf_counter()
-    log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    rows, problems = bench(build_models(), args.quick, repeats)
+    log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "gpu": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "method": "CUDA events around back-to-back calls on a GPU-resident input; median over "
-                  f"{repeats} repeats of elapsed/calls; host copies excluded for every impl",
-        "rows": rows,
-    }
     json_path = args.out / f"model_{args.tag}.json"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, args.out / f"model_{args.tag}.png")
-    print_summary(rows)
+    results = Results(json_path, repeats)
+    ours = [(m, b, i) for m in MODELS for b in BATCHES for i in IMPLS[:3]]
+    ours.insert(len(BATCHES) * 3, OVERHEAD)  # after digits' rows
+    compiled = [(m, b, "torch_compile") for m in MODELS for b in BATCHES
+                if not args.quick or (m, b) in QUICK_COMPILE]
+    for group in (ours, compiled):
+        run_children(group, repeats, results)
+    results.data["complete"] = True
+    results.write()
+    plot(results.data["rows"], args.out / f"model_{args.tag}.png")
+    print_summary(results.data)
     log(f"\nwrote {json_path} and its .png in {time.perf_counter() - started:.0f} s")
-    if problems:
-        raise SystemExit("results differ from torch eager:\n  " + "\n  ".join(problems))
+    problems = [f"{r['model']} batch={r['batch']} {r['impl']}: {r['mismatch']}"
+                for r in results.data["rows"] if "mismatch" in r]
+    if problems or results.data["failures"]:
+        raise SystemExit("results differ from torch eager or items failed:\n  " + "\n  ".join(
+            problems + [f"{f['model']} batch={f['batch']} {f['impl']} crashed" for f in results.data["failures"]]))
 
 
 if __name__ == "__main__":
