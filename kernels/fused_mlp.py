@@ -16,7 +16,6 @@ Every layer's weights are packed into one buffer (``pack_mlp``) once, when the r
 from __future__ import annotations
 
 import os
-from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -81,19 +80,34 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
     )
 
 
-def fused_mlp_config(M: int, N: int, dtype: torch.dtype) -> dict:
-    """Tile sizes for one layer by batch. Small batches are latency-bound: narrow tiles give a
-    layer many programs (a 256-wide layer at batch 1 gets 16), each streaming a slice of W with a
-    few loads in flight. Larger batches take square tiles. 16-bit types read twice the K per byte.
-    Each of these compiles for sm_90 without register spills (see tests/kernels/test_fused_mlp.py)."""
-    wide_k = 128 if dtype != torch.float32 else 64
+def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict:
+    """Tile sizes for one ``[M, N]`` layer output. Small batches are latency-bound: narrow tiles, so a
+    layer gets many programs (a 256-wide layer at batch 1 gets 16), each streaming a slice of W with
+    a few loads in flight. Larger batches start from 64x64 tiles. Then tiles are halved (N first)
+    until the grid covers ``sms`` SMs (132 on an H200) or they reach 16x16: a layer that fills
+    few SMs waits on few SMs' bandwidth. 16-bit types read twice the K per byte at small M.
+    Every tile these give compiles for sm_90 without register spills (tests/kernels/test_fused_mlp.py)."""
     if M <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": wide_k, "num_warps": 4, "num_stages": 3}
-    if M <= 64:
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
-    if M <= 512 or N <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
+        block_m, block_n, block_k = 16, 16, 128 if dtype != torch.float32 else 64
+    elif M <= 64:
+        block_m, block_n, block_k = 32, 32, 64
+    else:
+        block_m, block_n, block_k = 64, 64, 32
+    while triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < sms and max(block_m, block_n) > 16:
+        if block_n >= block_m:
+            block_n //= 2
+        else:
+            block_m //= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
+
+
+def sm_count(device) -> int:
+    """SMs of a CUDA device (cached by torch); 1 on the CPU, where the interpreter runs programs
+    one after another and fewer, larger tiles are faster."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def config_str(config: dict) -> str:
@@ -177,7 +191,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
                                  f"got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{list(getattr(t, 'shape', []))}")
     M = h.shape[0]
-    config = dict(fused_mlp_config(M, N, dtype) if config is None else config)
+    config = dict(fused_mlp_config(M, N, dtype, sm_count(h.device)) if config is None else config)
     interpreting = h.device.type == "cpu"
     out = torch.empty(M, N, device=h.device, dtype=dtype)
     w_offset, b_offset = packed.offsets[index]

@@ -350,7 +350,8 @@ class ModelRunner:
         if path == "fused":
             from kernels import fused_mlp
 
-            config = fused_mlp.fused_mlp_config(bucket, layer.out_features, self.dtype)
+            config = fused_mlp.fused_mlp_config(bucket, layer.out_features, self.dtype,
+                                                fused_mlp.sm_count(self.device))
             choice = (fused_mlp.NAME, fused_mlp.config_str(config))
         elif self.backend == "torch":
             choice = ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_mlp import fused_mlp, fused_mlp_layer, pack_mlp
+from kernels.fused_mlp import fused_mlp, fused_mlp_config, fused_mlp_layer, pack_mlp
 
 
 def reference_mlp(x, weights, biases, shift, scale, activation="relu"):
@@ -94,6 +94,16 @@ def test_bad_arguments_are_rejected():
         fused_mlp_layer([[0.0] * 3], packed, 0, shift, scale)
 
 
+@pytest.mark.parametrize("M", [1, 3, 17, 64, 100, 130, 512, 4096])
+@pytest.mark.parametrize("N", [1, 10, 70, 256, 4096])
+def test_config_fills_the_sms_or_is_as_narrow_as_tl_dot_allows(M, N):
+    config = fused_mlp_config(M, N, torch.float32, sms=132)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    programs = -(-M // bm) * -(-N // bn)
+    assert bm in (16, 32, 64) and bn in (16, 32, 64), config  # tl.dot needs >= 16; 64 is the tested largest
+    assert programs >= 132 or (bm, bn) == (16, 16), f"M={M} N={N}: {programs} programs with {config}"
+
+
 # Compiles the layer kernel for sm_90 and prints ptxas's report. Run in a child process: under
 # TRITON_INTERPRET=1 (this session's CPU set-up) kernels are interpreted objects that cannot compile.
 COMPILE_SM90 = """
@@ -126,8 +136,9 @@ print(result.stderr)
 """
 
 
-# One (rows, N) per fused_mlp_config tile; the normalizing first layer at batch 1 and 4096.
-@pytest.mark.parametrize("rows, N, normalize", [(1, 256, True), (64, 256, False), (130, 256, False),
+# (rows, N) giving each fused_mlp_config tile family on an H200: 16x16 (batch 1, a 10-wide layer at
+# 4096), 32x32, 32x16 and 64x64; the normalizing first layer at batch 1 and 4096.
+@pytest.mark.parametrize("rows, N, normalize", [(1, 256, True), (64, 4096, False), (512, 256, False),
                                                 (4096, 256, True), (4096, 10, False)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiles_for_sm90_without_register_spills(rows, N, normalize, dtype, tmp_path):
