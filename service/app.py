@@ -49,7 +49,8 @@ async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
     settings = state.settings
     for runner in runners:
         batcher = Batcher(runner, max_batch_size=settings.max_batch_size, max_delay_ms=settings.max_delay_ms,
-                          max_queue_rows=settings.max_queue_rows, recorders=(state.stats, state.metrics))
+                          max_queue_rows=settings.max_queue_rows, recorders=(state.stats, state.metrics),
+                          inline_batch_ms=settings.inline_batch_ms)
         batcher.start()
         state.batchers[runner.name] = batcher
     if settings.gc_freeze:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 from fastapi import Request
 
-from service.errors import BadInput, ClientGone, ServiceError
+from service.errors import BadInput, ServiceError
 from service.state import ServiceState
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -39,20 +39,14 @@ async def infer(state: ServiceState, request: Request, model: str, x: np.ndarray
     request.state.model = model
     t0 = time.perf_counter()
     timeout_s = _timeout_s(state, request)
-    work = asyncio.ensure_future(state.batchers[model].submit(x, timeout_s))
     watch = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not work.done():
-        work.cancel()  # its future is cancelled too, so the batcher never computes it
-        raise ClientGone(f"client disconnected before model {model!r} answered")
-    try:
-        out = work.result()
+        out = await state.batchers[model].submit(x, timeout_s, abandon=watch)
     except ServiceError:
         state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
         raise
+    finally:
+        watch.cancel()
     state.stats.record_request(model, ok=True, seconds=time.perf_counter() - t0)
     state.metrics.record_request(model, "ok")
     return out

@@ -28,19 +28,38 @@ class Metrics:
                                       ["model", "layer", "kernel"], registry=r)
         self.kernel_launches = Counter("fusedserve_kernel_launches", "Layer launches",
                                        ["model", "layer", "kernel"], registry=r)
+        # Labelled children, looked up once: labels() takes a lock and builds a key on every call.
+        self._children: dict[str, tuple] = {}
+        self._layers: dict[tuple[str, str, str], tuple] = {}
+        self._requests: dict[tuple[str, str], object] = {}
 
     def record_layer(self, timing: LayerTiming) -> None:
         labels = (timing.model, timing.layer, timing.kernel)
-        self.kernel_seconds.labels(*labels).inc(timing.seconds)
-        self.kernel_launches.labels(*labels).inc()
+        children = self._layers.get(labels)
+        if children is None:
+            children = self._layers[labels] = (self.kernel_seconds.labels(*labels),
+                                               self.kernel_launches.labels(*labels))
+        children[0].inc(timing.seconds)
+        children[1].inc()
+
+    def _batch_children(self, model: str) -> tuple:
+        children = self._children.get(model)
+        if children is None:
+            children = self._children[model] = (self.rows.labels(model), self.batch_rows.labels(model),
+                                                 self.compute.labels(model), self.queue_wait.labels(model))
+        return children
 
     def record_batch(self, model: str, rows: int, waits: list[float], compute_s: float) -> None:
-        self.rows.labels(model).inc(rows)
-        self.batch_rows.labels(model).observe(rows)
-        self.compute.labels(model).observe(compute_s)
-        wait = self.queue_wait.labels(model)
+        row_count, batch_rows, compute, wait = self._batch_children(model)
+        row_count.inc(rows)
+        batch_rows.observe(rows)
+        compute.observe(compute_s)
         for w in waits:
             wait.observe(w)
 
     def record_request(self, model: str, outcome: str) -> None:
-        self.requests.labels(model, outcome).inc()
+        key = (model, outcome)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._requests[key] = self.requests.labels(model, outcome)
+        counter.inc()

@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
     # Rows one request may carry; None means max_batch_size, since a request is never split.
     max_rows_per_request: int | None = Field(None, ge=1)
+    # A batch whose row count last computed faster than this runs on the event loop's thread instead
+    # of the worker thread (the hand-off costs more than a small batch); 0 = always the worker thread.
+    inline_batch_ms: float = Field(1.0, ge=0.0)
     # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
     drain_grace_s: float = Field(2.0, ge=0.0)
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
