@@ -5,6 +5,9 @@ Tuned configs live in one JSON file per GPU model and Triton version, in the dir
 to re-tune. Keys name the kernel, the batch bucket, N, K, the dtype and the fp32 dot precision.
 (Triton's own ``autotune(cache_results=True)`` stores timings under Triton's kernel cache keyed by
 its compiler hash, with no directory of its own to point at; hence this small store.)
+
+Timing (``time_configs``) replays CUDA graphs of back-to-back calls over rotating copies of the
+arguments, so it sees what serving sees: weights read from HBM, no Python launch gaps.
 """
 
 import json
@@ -21,6 +24,9 @@ from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 
 ENV_VAR = "FUSEDSERVE_TUNE_CACHE"
+# Part of the file name: bumped when candidates or the timing method change, so choices made by an
+# older tuner are not reused (their files stay, unread).
+TUNER_VERSION = 2
 
 
 def cache_dir():
@@ -38,7 +44,7 @@ class TuneCache:
 
     def __init__(self, device_name, directory=None):
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name)
-        self.path = Path(directory or cache_dir()) / f"{slug}-triton-{triton.__version__}.json"
+        self.path = Path(directory or cache_dir()) / f"{slug}-triton-{triton.__version__}-tuner{TUNER_VERSION}.json"
         self._lock = threading.Lock()
         self._configs = self._read()
 
@@ -81,13 +87,16 @@ _FINAL_REPEATS = 5
 def graph_timer(run, calls_hint):
     """A timer for one candidate: returns ``repeats -> [ms per call, ...]`` (one sample per replay).
 
-    ``run()`` is called once eagerly (compiling, and raising what a bad config raises) and then
+    ``run()`` is called eagerly first (compiling, and raising what a bad config raises) and then
     captured ``calls`` times into one CUDA graph, ``calls`` a multiple of ``calls_hint`` (the
     caller's number of rotating argument sets) sized so one replay lasts ~``_REPLAY_TARGET_MS``.
     """
     import torch
 
-    run()
+    # Once per argument set before capturing: a copy may differ from the caller's tensors in what
+    # Triton specializes on (16-byte alignment), and compiling must not happen inside a capture.
+    for _ in range(max(1, calls_hint)):
+        run()
     torch.cuda.synchronize()
 
     def capture(calls):

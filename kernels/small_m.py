@@ -7,6 +7,10 @@ fills the MMA's M side (X's rows fill the narrow side, padded to at least 16), W
 ``SPLIT_K`` programs when N alone gives too few programs to fill the GPU. Split-K partial sums go
 to an fp32 workspace and a second kernel adds them in a fixed order (deterministic, no atomics),
 then applies bias and activation.
+
+For a handful of rows a second kernel, the GEMV variant (config ``GEMV=True``), skips the tensor
+cores: it multiplies each W tile by each row of X on the CUDA cores and sums along K, so M is not
+padded to 16 and fp32 products are exact. The tuner times both variants.
 """
 
 import torch
