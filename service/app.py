@@ -70,6 +70,7 @@ async def _lifespan(app: FastAPI):
     sink = LayerSinks((state.stats, state.metrics))
     runners = await asyncio.to_thread(_load_runners, state.settings, sink)
     for r in runners:
+        state.runners[r.name] = r
         state.models[r.name] = ModelInfo(r.name, r.in_features, r.out_features, str(r.dtype).removeprefix("torch."),
                                          r.backend, str(r.device))
     # Warm-up (autotuning, CUDA graphs) can take a while: serve liveness meanwhile, readiness after.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -30,9 +31,16 @@ class ServiceState:
     metrics: Metrics
     models: dict[str, ModelInfo] = field(default_factory=dict)
     batchers: dict[str, Batcher] = field(default_factory=dict)
+    runners: dict[str, Any] = field(default_factory=dict)  # models.ModelRunner per model
     serving: bool = False  # models loaded, warmed up, batchers running
     draining: bool = False  # SIGTERM seen: still answering, but readiness says no
     startup_error: str | None = None
+
+    def collect_timings(self) -> None:
+        """Hand every layer timing the device has finished to the stats and metrics, without
+        waiting for the rest (CUDA events resolve lazily; a reader should see what is done)."""
+        for runner in self.runners.values():
+            runner.collect_timings()
 
     @property
     def ready(self) -> bool:

@@ -14,4 +14,5 @@ router = APIRouter(tags=["metrics"])
 
 @router.get("/metrics", summary="Prometheus metrics")
 async def metrics(state: Annotated[ServiceState, Depends(get_state)]) -> Response:
+    state.collect_timings()
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

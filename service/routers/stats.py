@@ -11,16 +11,31 @@ from service.state import ServiceState, get_state
 router = APIRouter(prefix="/kernel-stats", tags=["stats"])
 
 
+def _timing_policy(runner) -> dict:
+    """How the runner times layers, so a reader knows whether ``calls`` counts every batch."""
+    if not runner.cuda_graphs:
+        return {"sampled": False, "every_batch": True}
+    # Graph replays hide single kernels: only some batches run layer by layer with CUDA events.
+    return {"sampled": True, "every_batch": False, "sample_every": runner.timing_sample_every,
+            "min_interval_s": runner.timing_min_interval_s,
+            "rule": "first batch of each bucket, then at most one batch in sample_every per bucket, "
+                    "and at most one per min_interval_s"}
+
+
 @router.get("", summary="Per-layer kernel timings, batch sizes and queue waits")
 async def kernel_stats(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
+    state.collect_timings()
     snap = state.stats.snapshot()
-    snap["served"] = {name: {"in_features": m.in_features, "out_features": m.out_features,
-                             "dtype": m.dtype, "backend": m.backend, "device": m.device}
-                      for name, m in state.models.items()}
+    snap["served"] = {
+        name: {"in_features": m.in_features, "out_features": m.out_features, "dtype": m.dtype,
+               "backend": m.backend, "device": m.device,
+               "layer_timings": _timing_policy(state.runners[name])}
+        for name, m in state.models.items()}
     return snap
 
 
 @router.post("/reset", summary="Clear every timing and histogram")
 async def reset_kernel_stats(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
+    state.collect_timings()  # finished launches from before the reset must not show up after it
     state.stats.reset()
     return {"reset": True}

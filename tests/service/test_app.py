@@ -117,9 +117,25 @@ async def test_kernel_stats_count_layers_and_reset(client):
         assert (row["N"], row["K"]) in ((7, 5), (4, 7)), row
     assert stats["models"]["wide"]["queue_wait"]["count"] == 3
     assert stats["served"]["wide"] == {"in_features": 5, "out_features": 4, "dtype": "float32",
-                                       "backend": "torch", "device": "cpu"}
+                                       "backend": "torch", "device": "cpu",
+                                       "layer_timings": {"sampled": False, "every_batch": True}}
     assert (await client.post("/kernel-stats/reset")).json() == {"reset": True}
     assert (await client.get("/kernel-stats")).json()["layers"] == []
+
+
+async def test_stats_reads_collect_finished_timings_and_say_when_sampled(client, monkeypatch):
+    # A CUDA runner resolves its events lazily: /kernel-stats and /metrics must sweep them first.
+    runner = client.app.state.service.runners["wide"]
+    swept = []
+    monkeypatch.setattr(runner, "collect_timings", lambda: swept.append(1) or 0)
+    await client.get("/kernel-stats")
+    await client.get("/metrics")
+    assert len(swept) == 2, f"collect_timings ran {len(swept)} times for 2 stats reads"
+    # Under CUDA graphs only some batches are timed: the stats must say so and how often.
+    monkeypatch.setattr(runner, "cuda_graphs", True)
+    policy = (await client.get("/kernel-stats")).json()["served"]["wide"]["layer_timings"]
+    assert policy["sampled"] is True and policy["sample_every"] == runner.timing_sample_every, policy
+    assert policy["min_interval_s"] == runner.timing_min_interval_s, policy
 
 
 async def test_v2_json_and_binary_infer(client, repository):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from service.batcher import Batcher
-from service.errors import BatchFailed, DeadlineExceeded, QueueFull
+from service.errors import BatchFailed, ClientGone, DeadlineExceeded, QueueFull
 from service.stats import ServiceStats
 
 IN, OUT = 3, 2
@@ -198,4 +198,75 @@ async def test_timed_out_request_frees_its_queue_rows_at_once():
     gate.set()
     await asyncio.gather(first, later)
     assert runner.batches == [1, 4], runner.batches
+    await b.stop()
+
+
+class ThreadSpy(FakeRunner):
+    """Records the thread of every batch; each batch takes ``seconds``."""
+
+    def __init__(self, seconds=0.0):
+        super().__init__()
+        self.seconds = seconds
+        self.threads: list[str] = []
+
+    def run(self, x):
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.seconds)
+        return super().run(x)
+
+
+async def test_fast_batches_skip_the_worker_thread_once_measured():
+    runner = ThreadSpy()
+    b, _ = await started(runner, inline_batch_ms=50.0)
+    for n in (1, 1, 3, 1, 3):
+        await b.submit(rows(n))
+    loop_thread = threading.current_thread().name
+    # A row count not measured yet goes to the worker (1 row, then 3 rows); once measured far below
+    # 50 ms (an empty fake run), the same row count runs on the event loop's thread.
+    assert runner.threads[0] != loop_thread and runner.threads[2] != loop_thread, runner.threads
+    assert runner.threads[1] == runner.threads[3] == runner.threads[4] == loop_thread, runner.threads
+    await b.stop()
+
+
+async def test_slow_batches_and_zero_threshold_stay_on_the_worker_thread():
+    loop_thread = threading.current_thread().name
+    for kw, seconds in (({"inline_batch_ms": 1.0}, 0.005), ({"inline_batch_ms": 0.0}, 0.0)):
+        runner = ThreadSpy(seconds)
+        b, _ = await started(runner, **kw)
+        for _ in range(3):
+            await b.submit(rows(1))
+        assert loop_thread not in runner.threads, f"{kw}, {seconds} s per batch: {runner.threads}"
+        await b.stop()
+
+
+async def test_inline_batch_that_fails_answers_every_request():
+    runner = ThreadSpy()
+    b, _ = await started(runner, inline_batch_ms=50.0)
+    await b.submit(rows(1))  # measured: the next 1-row batch runs inline
+    runner.fail = True
+    with pytest.raises(BatchFailed, match="boom in layer 1"):
+        await b.submit(rows(1))
+    assert runner.threads[-1] == threading.current_thread().name, runner.threads
+    runner.fail = False
+    np.testing.assert_array_equal(await b.submit(rows(1)), [[3.0, 1.0]])
+    await b.stop()
+
+
+async def test_abandoned_request_leaves_the_queue_and_is_never_computed():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.05)  # the first batch is blocked inside the runner
+    gone = asyncio.get_running_loop().create_future()
+    second = asyncio.ensure_future(b.submit(rows(3), timeout_s=10.0, abandon=gone))
+    await asyncio.sleep(0.01)
+    gone.set_result(None)  # e.g. the client disconnected
+    with pytest.raises(ClientGone, match="disconnected"):
+        await second
+    assert b.queued_rows == 0, f"{b.queued_rows} rows of an abandoned request still queued"
+    gate.set()
+    await first
+    await b.submit(rows(2))
+    assert runner.batches == [1, 2], f"the abandoned 3-row request ran: {runner.batches}"
     await b.stop()
