@@ -99,12 +99,22 @@ def graph_timer(run, calls_hint):
         run()
     torch.cuda.synchronize()
 
+    # Captured by hand on a side stream rather than with torch.cuda.graph(), whose entry empties
+    # the caching allocator (and, in some torch versions, runs gc.collect) on every capture.
+    side = torch.cuda.Stream()
+
     def capture(calls):
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (stats flushes, other models) may use CUDA meanwhile.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(calls):
-                run()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # thread_local: other threads (stats flushes, other models) may use CUDA meanwhile.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(calls):
+                    run()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
         return graph
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
