@@ -324,8 +324,11 @@ def run_children(items, repeats: int, results: Results) -> None:
         results.add("failures", {"model": failed[0], "batch": failed[1], "impl": failed[2],
                                  "exit_code": rc, "log_tail": tail[-12:]})
         remaining.remove(failed)
-        if tail and tail[-1].startswith("killed"):
-            return  # a hang would hang again: leave the rest of this group
+        if tail and tail[-1].startswith("killed"):  # a hang would hang again: skip the rest of this group
+            for name, batch, impl in remaining:
+                results.add("failures", {"model": name, "batch": batch, "impl": impl, "exit_code": None,
+                                         "log_tail": ["not run: an earlier item of its group hung"]})
+            return
 
 
 def speedups(rows):
