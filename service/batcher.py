@@ -23,7 +23,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from service.errors import BatchFailed, ClientGone, DeadlineExceeded, NotReady, QueueFull
+from service.errors import (
+    BatchFailed,
+    ClientGone,
+    DeadlineExceeded,
+    NotReady,
+    QueueFull,
+)
 
 
 class Runner(Protocol):

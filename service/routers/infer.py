@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
+import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
 from service.errors import BadInput
 from service.inference import infer
-from service.inputs import parse_json, read_body, rows_from_json
+from service.inputs import dump_json, parse_json, read_body, rows_from_json
 from service.state import ServiceState, get_state
 
 router = APIRouter(tags=["inference"])
@@ -36,5 +36,5 @@ async def infer_route(request: Request, state: Annotated[ServiceState, Depends(g
     request.state.model = info.name
     x = rows_from_json(body["inputs"], "inputs", info.in_features, state.settings.rows_per_request)
     out = await infer(state, request, info.name, x)
-    payload = {"model": info.name, "outputs": out.tolist()}
-    return Response(json.dumps(payload), media_type="application/json")
+    return Response(dump_json({"model": info.name, "outputs": np.ascontiguousarray(out)}),
+                    media_type="application/json")

@@ -4,7 +4,6 @@ FP32 [-1, in_features]) and one output ("output", FP32 [-1, out_features]), vers
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import numpy as np
@@ -13,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from service.errors import BadInput, UnknownModel
 from service.inference import infer
-from service.inputs import check_rows, parse_json, read_body
+from service.inputs import check_rows, dump_json, parse_json, read_body
 from service.state import ModelInfo, ServiceState, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
@@ -137,11 +136,11 @@ async def model_infer(request: Request, state: State, model: str, version: str |
     if "id" in req:
         result["id"] = req["id"]
     if not binary:
-        result["outputs"][0]["data"] = out.ravel().tolist()
-        return Response(json.dumps(result), media_type="application/json")
+        result["outputs"][0]["data"] = np.ascontiguousarray(out).ravel()
+        return Response(dump_json(result), media_type="application/json")
     raw = np.ascontiguousarray(out, dtype=np.float32).tobytes()
     result["outputs"][0]["parameters"] = {"binary_data_size": len(raw)}
-    header = json.dumps(result).encode()
+    header = dump_json(result)
     return Response(header + raw, media_type="application/octet-stream",
                     headers={"Inference-Header-Content-Length": str(len(header))})
 
