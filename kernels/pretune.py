@@ -1,6 +1,7 @@
 """Tune shapes ahead of time (before serving, before CUDA-graph capture)."""
 
 import sys
+import time
 
 import torch
 
@@ -24,10 +25,11 @@ def tune(shapes, dtype=torch.bfloat16, device="cuda", activation="relu", progres
         x = torch.randn(M, K, device=device).to(dtype)
         w = (torch.randn(N, K, device=device) * K ** -0.5).to(dtype)
         b = torch.randn(N, device=device).to(dtype)
+        start = time.perf_counter()
         fused_linear(x, w, b, activation)
         chosen[(M, N, K)] = kernel_choice(M, N, K, dtype, device)
         if progress:
             name, config = chosen[(M, N, K)]
             print(f"[tune {i}/{len(shapes)}] M={M} N={N} K={K} {str(dtype).removeprefix('torch.')}: "
-                  f"{name} {config}", file=sys.stderr, flush=True)
+                  f"{name} {config} ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
     return chosen

@@ -110,7 +110,7 @@ def _rotating_sets(x2d, weight, bias):
 
 def _same_layout_copy(t):
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return out.copy_(t)
+    return out.copy_(t.detach())  # a parameter's copy need not join autograd
 
 
 def choose(kernels, x2d, weight, bias, activation):
