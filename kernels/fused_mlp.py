@@ -10,6 +10,9 @@ tiles, so even a batch of 1 uses many SMs (a single program walking every layer,
 design, streamed all the weights through one SM: ~130 us for the digits model on an H200).
 
 Under a CUDA graph the chain replays as ``len(layers)`` kernel nodes with no Python in between.
+On Hopper and later the layers are launched with programmatic dependent launch: each layer lets
+the next one start launching at once and waits (``griddepcontrol.wait``) only before reading its
+input, so a layer's launch latency hides behind the previous layer's work.
 Every layer's weights are packed into one buffer (``pack_mlp``) once, when the runner is built.
 """
 
@@ -127,9 +130,16 @@ def _fused_mlp_layer_kernel(
     M, N, K, stride_src, stride_dst,
     # meta-parameters
     NORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    UPCAST_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST_BF16: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dst[m, n] = act(norm(src)[m, :] @ W[n, :] + b[n]) for this program's BLOCK_M x BLOCK_N tile."""
+    if USE_PDL:
+        # Let the next layer's launch begin now; it waits for this whole grid before reading dst.
+        tl.extra.cuda.gdc_launch_dependents()
+        # The previous kernel on the stream (the layer before) must have finished writing src, and
+        # every kernel before it too (each waited here), so nothing earlier still reads dst.
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -161,14 +171,21 @@ def _fused_mlp_layer_kernel(
              acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def pdl_supported(device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``) needs compute capability 9.0 or later."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch.Tensor,
-                    scale: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+                    scale: torch.Tensor, config: dict | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Layer ``index`` of a packed MLP, one launch: ``[M, K_index] -> [M, N_index]`` in the model dtype.
 
     Layer 0 takes the raw float32 input and applies ``(h - shift) * scale`` (float32 ``[K_0]``)
     while loading it; later layers take the previous layer's output and ignore shift/scale.
     Every layer but the last applies ``packed.activation``. ``config``: tile sizes (default
-    ``fused_mlp_config``).
+    ``fused_mlp_config``). ``pdl``: launch with programmatic dependent launch (None: wherever
+    ``pdl_supported``).
     """
     if not isinstance(h, torch.Tensor):
         raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
@@ -202,6 +219,12 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
     fp32_ieee = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
     normalize = index == 0
+    if pdl is None:
+        pdl = pdl_supported(h.device)
+    elif pdl and not pdl_supported(h.device):
+        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9.0, got {h.device}")
+    if pdl:
+        config["launch_pdl"] = True  # a launch option, not a kernel argument
     _fused_mlp_layer_kernel[grid](
         h, packed.weights[w_offset:], packed.biases[b_offset:], out,
         shift if normalize else h, scale if normalize else h,  # unread unless NORMALIZE
@@ -212,6 +235,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         INPUT_PRECISION="ieee" if fp32_ieee or interpreting else "tf32",
         # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
         UPCAST_BF16=interpreting and dtype == torch.bfloat16,
+        USE_PDL=pdl,
         **config,
     )
     return out

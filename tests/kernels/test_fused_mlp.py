@@ -13,7 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_mlp import fused_mlp, fused_mlp_config, fused_mlp_layer, pack_mlp
+from kernels.fused_mlp import (
+    fused_mlp,
+    fused_mlp_config,
+    fused_mlp_layer,
+    pack_mlp,
+    pdl_supported,
+)
 
 
 def reference_mlp(x, weights, biases, shift, scale, activation="relu"):
@@ -73,6 +79,35 @@ def test_fused_mlp_matches_layer_by_layer_on_gpu(widths, rows, dtype, tol):
     check(widths, rows, dtype, "cuda", tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_programmatic_dependent_launch_changes_no_bits(dtype):
+    if not pdl_supported("cuda"):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    weights, biases, shift, scale = random_mlp((64, 256, 256, 10), dtype, "cuda")
+    packed = pack_mlp(weights, biases, "relu")
+
+    def chain(x, pdl):
+        for index in range(packed.num_layers):
+            x = fused_mlp_layer(x, packed, index, shift, scale, pdl=pdl)
+        return x
+
+    static_x = torch.zeros(17, 64, device="cuda")
+    chain(static_x, True)  # compile before capturing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_x, True)
+    inputs = [3 * torch.randn(17, 64, device="cuda") for _ in range(20)]
+    for x in inputs:  # back to back, no host sync: a layer reading early would show in the last one
+        static_x.copy_(x)
+        graph.replay()
+    # Same kernels, tiles and inputs with and without the launch attribute: bitwise equal.
+    torch.testing.assert_close(static_out, chain(inputs[-1], False), rtol=0, atol=0,
+                               msg=lambda m: f"{dtype} graph replay with PDL: {m}")
+    torch.testing.assert_close(chain(inputs[0], True), chain(inputs[0], False), rtol=0, atol=0,
+                               msg=lambda m: f"{dtype} eager with PDL: {m}")
+
+
 def test_bad_arguments_are_rejected():
     weights, biases, shift, scale = random_mlp((3, 5, 2), torch.float32, "cpu")
     packed = pack_mlp(weights, biases, "relu")
@@ -122,12 +157,12 @@ signature = {"src_ptr": "*fp32" if normalize else f"*{dtype}", "w_ptr": f"*{dtyp
              "M": "i32", "N": "i32", "K": "i32", "stride_src": "i32", "stride_dst": "i32"}
 # At batch 1 Triton's launcher passes M=1 as a constant: compile that variant as it would.
 constants = dict(M=1) if rows == 1 else {}
-constants.update(NORMALIZE=normalize, ACTIVATION="relu", UPCAST_BF16=False,
+constants.update(NORMALIZE=normalize, ACTIVATION="relu", UPCAST_BF16=False, USE_PDL=True,
                  INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **config)
 signature.update({name: "constexpr" for name in constants})
 ptx = triton.compile(ASTSource(_fused_mlp_layer_kernel, signature, constants),
                      target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-print("has_mma", "mma" in ptx)
+print("has_mma", "mma" in ptx, "has_gdc", "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx)
 with open(sys.argv[5], "w") as f:
     f.write(ptx)
 result = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", sys.argv[5], "-o",
@@ -150,6 +185,7 @@ def test_compiles_for_sm90_without_register_spills(rows, N, normalize, dtype, tm
                             env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, f"compile failed:\n{result.stderr[-3000:]}"
     report = result.stdout
+    assert "has_gdc True" in report, "no griddepcontrol: layers would not overlap launches on sm_90"
     if dtype == "bf16":
         assert "has_mma True" in report, "bf16 layers should run on tensor cores"
     spills = re.search(r"(\d+) bytes spill stores", report)
