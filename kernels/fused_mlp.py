@@ -90,9 +90,13 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict
     until the grid covers ``sms`` SMs (132 on an H200) or they reach 16x16: a layer that fills
     few SMs waits on few SMs' bandwidth.
     Every tile these give compiles for sm_90 without register spills (tests/kernels/test_fused_mlp.py)."""
+    num_stages = 3
     if M <= 16:
-        # Few k-steps: each is a dependent round trip to L2 for a program this small.
-        block_m, block_n, block_k = 16, 16, 128
+        # Long k-steps and a deep pipeline: a program this small has little else to hide memory
+        # latency with, and a 4096-wide layer needs ~2 MB in flight across the GPU to stream
+        # at HBM speed. 16-bit tiles take twice the k for the same bytes and registers.
+        block_m, block_n, block_k = 16, 16, 128 if dtype == torch.float32 else 256
+        num_stages = 4
     elif M <= 64:
         block_m, block_n, block_k = 32, 32, 64
     else:  # fp32 dots are FMA loops (TF32 off), 16-bit ones tensor-core steps of 16 in k
@@ -103,9 +107,10 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict
         else:
             block_m //= 2
     # 8 warps for 64x64x64: with 4, the normalizing layer's fp32 input tile spills on sm_90.
-    num_warps = 8 if (block_m, block_n, block_k) == (64, 64, 64) else 4
+    # (and for 16x16x256, whose fp32 normalized input tile alone is 32 registers a thread with 4).
+    num_warps = 8 if (block_m, block_n, block_k) in ((64, 64, 64), (16, 16, 256)) else 4
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps,
-            "num_stages": 3}
+            "num_stages": num_stages}
 
 
 def sm_count(device) -> int:
