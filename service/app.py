@@ -69,6 +69,12 @@ async def _lifespan(app: FastAPI):
     # Loading errors (missing repository, bad config) stop start-up at once with their message.
     sink = LayerSinks((state.stats, state.metrics))
     runners = await asyncio.to_thread(_load_runners, state.settings, sink)
+    if any(r.device.type == "cpu" for r in runners):
+        import torch
+
+        # Here, on the event loop's thread: OpenMP keeps a thread count per thread, and batches run
+        # on this thread (inline) or on worker threads started later, which take the new default.
+        torch.set_num_threads(state.settings.cpu_threads)
     for r in runners:
         state.runners[r.name] = r
         state.models[r.name] = ModelInfo(r.name, r.in_features, r.out_features, str(r.dtype).removeprefix("torch."),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
@@ -35,6 +36,11 @@ class Settings(BaseSettings):
     # A batch whose row count last computed faster than this runs on the event loop's thread instead
     # of the worker thread (the hand-off costs more than a small batch); 0 = always the worker thread.
     inline_batch_ms: float = Field(1.0, ge=0.0)
+    # torch intra-op threads for models on the CPU; 0 = one less than the CPUs this process may use
+    # (at least 1). The event loop needs a core of its own: on the 2-core dev machine, torch's default
+    # of 2 threads made a 4x2048 float32 batch wait on the thread that shared its core with request
+    # parsing (64 clients: ~690 req/s with 2 threads, ~870 with 1).
+    torch_threads: int = Field(0, ge=0)
     # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
     drain_grace_s: float = Field(2.0, ge=0.0)
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
@@ -61,6 +67,14 @@ class Settings(BaseSettings):
             raise ValueError(f"max_queue_rows ({self.max_queue_rows}) must be >= max_batch_size "
                              f"({self.max_batch_size}): a full batch must fit in the queue")
         return self
+
+    @property
+    def cpu_threads(self) -> int:
+        """``torch_threads`` resolved: 0 becomes the usable CPUs less one, at least 1."""
+        if self.torch_threads:
+            return self.torch_threads
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, usable - 1)
 
     @property
     def rows_per_request(self) -> int:

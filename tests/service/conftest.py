@@ -30,6 +30,14 @@ def write_repository(root):
     return root
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """An app serving CPU models sets torch's process-wide thread count: undo it for later tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def repository(tmp_path):
     return write_repository(tmp_path / "repo")

@@ -203,6 +203,15 @@ async def test_metrics_count_requests_rows_and_kernel_time(client):
     assert 'fusedserve_kernel_seconds_total{kernel=' in text and 'layer="layers.1"' in text
 
 
+async def test_serving_cpu_models_sets_torch_threads(repository):
+    import torch
+
+    app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=False, torch_threads=1))
+    torch.set_num_threads(2)
+    async with app.router.lifespan_context(app):
+        assert torch.get_num_threads() == 1, "torch_threads=1 was not applied for CPU models"
+
+
 async def test_request_id_is_echoed_or_generated(client):
     r = await client.get("/v2/health/live", headers={"X-Request-ID": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123"

@@ -33,7 +33,15 @@ def test_defaults_serve_the_shipped_repository_on_loopback(monkeypatch):
     assert settings.rows_per_request == settings.max_batch_size == 64
 
 
+def test_torch_threads_default_leaves_the_event_loop_a_cpu(monkeypatch):
+    for cpus, expected in ((1, 1), (2, 1), (3, 2), (16, 15)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)), raising=False)
+        assert Settings().cpu_threads == expected, f"{cpus} usable CPUs"
+    assert Settings(torch_threads=3).cpu_threads == 3, "an explicit count is kept as given"
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
+    ({"torch_threads": -1}, "torch_threads"),
     ({"device": "gpu"}, "device must be"),
     ({"backend": "cuda"}, "backend must be"),
     ({"max_batch_size": 0}, "max_batch_size"),
