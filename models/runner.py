@@ -284,8 +284,16 @@ class ModelRunner:
     def _warm_bucket(self, bucket: int) -> None:
         on_cuda = self.device.type == "cuda"
         with torch.no_grad():
-            for path in self._candidates:
-                self._forward(bucket, None, path)  # the first launch at this shape autotunes/compiles
+            for path in tuple(self._candidates):
+                try:
+                    self._forward(bucket, None, path)  # the first launch at this shape autotunes/compiles
+                except Exception:
+                    if len(self._candidates) == 1:
+                        raise
+                    # An automatic choice: the other path computes the same model.
+                    log.warning("the %s path of %r failed at M=%d; the runner leaves it out from now on",
+                                path, self.name, bucket, exc_info=True)
+                    self._candidates = tuple(p for p in self._candidates if p != path)
             if on_cuda:
                 torch.cuda.synchronize(self.device)
         graphs = {}

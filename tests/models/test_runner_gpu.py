@@ -135,3 +135,20 @@ def test_compute_replays_the_graph_run_uses():
     assert 4 in runner._graphs and out.device.type == "cuda" and out.shape == (4, OUT)
     # The same captured graph on the same rows: bitwise equal.
     torch.testing.assert_close(out[:3].float().cpu(), via_run, rtol=0, atol=0)
+
+
+def test_automatic_choice_leaves_out_a_path_that_fails(monkeypatch, caplog):
+    import kernels.fused_mlp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stand-in for a kernel that cannot launch here")
+
+    monkeypatch.setattr(kernels.fused_mlp, "fused_mlp_layer", broken)
+    runner = ModelRunner(make_model("triton"), max_batch_size=1)
+    runner.warmup()
+    assert runner.path(1) == "layers" and runner.path_seconds == {}, (runner.path(1), runner.path_seconds)
+    assert "the fused path of 'gpu_tiny' failed" in caplog.text
+    reference = ModelRunner(make_model("torch"), max_batch_size=1)
+    x = torch.randn(1, IN)
+    # fp32, TF32 off: only summation order differs.
+    torch.testing.assert_close(runner.run(x), reference.run(x), rtol=1e-4, atol=1e-4)
