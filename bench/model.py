@@ -401,6 +401,7 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help=f"fewer repeats; torch.compile only at {QUICK_COMPILE}")
     parser.add_argument("--tag", default="h200", help="file name suffix: model_<tag>.json/.png")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # child mode: model:batch:impl,...
     parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -410,15 +411,19 @@ def main():
         items = [(n, int(b), i) for n, b, i in (s.split(":") for s in args.worker.split(","))]
         worker(items, args.repeats)
         return
+    models = args.models.split(",")
+    if not models or any(m not in MODELS for m in models):
+        parser.error(f"--models must name some of {MODELS}, got {args.models!r}")
     repeats = 5 if args.quick else 15
     started = time.perf_counter()
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"model_{args.tag}.json"
     results = Results(json_path, repeats)
-    ours = [(m, b, i) for m in MODELS for b in BATCHES for i in IMPLS[:3]]
-    ours.insert(len(BATCHES) * 3, OVERHEAD)  # after digits' rows
-    compiled = [(m, b, "torch_compile") for m in MODELS for b in BATCHES
+    ours = [(m, b, i) for m in models for b in BATCHES for i in IMPLS[:3]]
+    if OVERHEAD[0] in models:
+        ours.insert((models.index(OVERHEAD[0]) + 1) * len(BATCHES) * 3, OVERHEAD)  # after its model's rows
+    compiled = [(m, b, "torch_compile") for m in models for b in BATCHES
                 if not args.quick or (m, b) in QUICK_COMPILE]
     for group in (ours, compiled):
         run_children(group, repeats, results)
