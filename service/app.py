@@ -50,7 +50,7 @@ async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
     for runner in runners:
         batcher = Batcher(runner, max_batch_size=settings.max_batch_size, max_delay_ms=settings.max_delay_ms,
                           max_queue_rows=settings.max_queue_rows, recorders=(state.stats, state.metrics),
-                          inline_batch_ms=settings.inline_batch_ms)
+                          inline_batch_ms=settings.inline_ms(runner.device.type))
         batcher.start()
         state.batchers[runner.name] = batcher
     if settings.gc_freeze:
@@ -69,12 +69,12 @@ async def _lifespan(app: FastAPI):
     # Loading errors (missing repository, bad config) stop start-up at once with their message.
     sink = LayerSinks((state.stats, state.metrics))
     runners = await asyncio.to_thread(_load_runners, state.settings, sink)
-    if any(r.device.type == "cpu" for r in runners):
+    if state.settings.torch_threads and any(r.device.type == "cpu" for r in runners):
         import torch
 
         # Here, on the event loop's thread: OpenMP keeps a thread count per thread, and batches run
         # on this thread (inline) or on worker threads started later, which take the new default.
-        torch.set_num_threads(state.settings.cpu_threads)
+        torch.set_num_threads(state.settings.torch_threads)
     for r in runners:
         state.runners[r.name] = r
         state.models[r.name] = ModelInfo(r.name, r.in_features, r.out_features, str(r.dtype).removeprefix("torch."),

@@ -8,12 +8,13 @@ Requests are never split or reordered; one that would overflow the batch waits f
 Where a batch runs: handing it to a worker thread and back costs ~0.15 ms of CPU and latency (two
 thread wake-ups and the GIL changing hands), more than a small model's whole batch on the CPU
 (digits: ~0.05 ms) or a CUDA graph replay. So a batch whose row count last took less than
-``inline_batch_ms`` runs on the event loop's thread; longer ones (and any row count not yet
-measured) run in the one worker thread, so the loop keeps reading requests meanwhile."""
+``inline_batch_ms`` (``inf``: every batch) runs on the event loop's thread; longer ones (and any row
+count not yet measured) run in the one worker thread, so the loop keeps reading requests meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -202,7 +203,7 @@ class Batcher:
         bucket = 1 << (rows - 1).bit_length()
         last = self._compute_s.get(bucket)
         try:
-            if last is not None and last < self.inline_batch_s:
+            if self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s):
                 out, compute_s = self._run(x)
             else:
                 out, compute_s = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)

@@ -18,8 +18,9 @@ _FLAGS = {
     "--request-timeout-ms": ("request_timeout_ms", float, "per-request deadline, 504 after (default 30000)"),
     "--max-body-bytes": ("max_body_bytes", int, "request body cap, 413 above (default 8 MiB)"),
     "--max-rows-per-request": ("max_rows_per_request", int, "rows per request (default max batch size)"),
-    "--inline-batch-ms": ("inline_batch_ms", float, "batches faster than this skip the worker thread (default 1)"),
-    "--torch-threads": ("torch_threads", int, "torch threads for CPU models (default 0: CPUs less one)"),
+    "--inline-batch-ms": ("inline_batch_ms", float,
+                          "batches faster than this skip the worker thread (default: CPU all, CUDA 1)"),
+    "--torch-threads": ("torch_threads", int, "torch threads for CPU models (default 0: torch's own)"),
     "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
 }
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import math
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
@@ -33,13 +33,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
     # Rows one request may carry; None means max_batch_size, since a request is never split.
     max_rows_per_request: int | None = Field(None, ge=1)
-    # A batch whose row count last computed faster than this runs on the event loop's thread instead
-    # of the worker thread (the hand-off costs more than a small batch); 0 = always the worker thread.
-    inline_batch_ms: float = Field(1.0, ge=0.0)
-    # torch intra-op threads for models on the CPU; 0 = one less than the CPUs this process may use
-    # (at least 1). The event loop needs a core of its own: on the 2-core dev machine, torch's default
-    # of 2 threads made a 4x2048 float32 batch wait on the thread that shared its core with request
-    # parsing (64 clients: ~690 req/s with 2 threads, ~870 with 1).
+    # Where batches run. None: every batch of a CPU model runs on the event loop's thread (torch then
+    # has every core to itself; next to request handling in a worker thread its threads straggle:
+    # 4x2048 float32 on the 2-core dev machine, 64 clients, ~980 -> ~1180 req/s), and a CUDA model's
+    # batch runs there when its row count last took < 1 ms (a thread hand-off costs ~0.15 ms).
+    # A number sets that threshold for every model; 0 = always the worker thread.
+    inline_batch_ms: float | None = Field(None, ge=0.0)
+    # torch intra-op threads for CPU models; 0 = torch's default (one per physical core).
     torch_threads: int = Field(0, ge=0)
     # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
     drain_grace_s: float = Field(2.0, ge=0.0)
@@ -68,13 +68,11 @@ class Settings(BaseSettings):
                              f"({self.max_batch_size}): a full batch must fit in the queue")
         return self
 
-    @property
-    def cpu_threads(self) -> int:
-        """``torch_threads`` resolved: 0 becomes the usable CPUs less one, at least 1."""
-        if self.torch_threads:
-            return self.torch_threads
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, usable - 1)
+    def inline_ms(self, device_type: str) -> float:
+        """``inline_batch_ms`` resolved for a model on ``device_type`` ("cpu", "cuda")."""
+        if self.inline_batch_ms is not None:
+            return self.inline_batch_ms
+        return math.inf if device_type == "cpu" else 1.0
 
     @property
     def rows_per_request(self) -> int:

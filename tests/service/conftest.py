@@ -64,8 +64,10 @@ async def wait_ready(client, timeout_s=60.0):
 @pytest.fixture
 def settings(repository):
     # gc_freeze=False: freezing is process-wide, and this process is the whole test session.
+    # inline_batch_ms=0: batches in the worker thread, so a test can hold the model busy (a gate in
+    # the runner) while the event loop takes more requests; the inline path has its own tests.
     return Settings(model_repository=repository, device="cpu", max_batch_size=8, max_delay_ms=5.0,
-                    gc_freeze=False)
+                    gc_freeze=False, inline_batch_ms=0.0)
 
 
 @pytest.fixture

@@ -207,7 +207,7 @@ async def test_serving_cpu_models_sets_torch_threads(repository):
     import torch
 
     app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=False, torch_threads=1))
-    torch.set_num_threads(2)
+    torch.set_num_threads(2)  # conftest restores the session's count after the test
     async with app.router.lifespan_context(app):
         assert torch.get_num_threads() == 1, "torch_threads=1 was not applied for CPU models"
 
@@ -220,8 +220,9 @@ async def test_request_id_is_echoed_or_generated(client):
 
 
 async def test_limits_body_rows_queue_and_deadline(repository):
+    # inline_batch_ms=0: the gated runner below must hold the worker thread, not the event loop.
     settings = Settings(model_repository=repository, device="cpu", gc_freeze=False, max_batch_size=4, max_queue_rows=4,
-                        max_body_bytes=300, request_timeout_ms=10_000)
+                        max_body_bytes=300, request_timeout_ms=10_000, inline_batch_ms=0.0)
     app = create_app(settings)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
         await wait_ready(c)

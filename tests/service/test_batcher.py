@@ -1,6 +1,7 @@
 """The batcher alone: a real asyncio queue and a fake runner that records every batch it gets."""
 
 import asyncio
+import math
 import threading
 import time
 
@@ -269,4 +270,14 @@ async def test_abandoned_request_leaves_the_queue_and_is_never_computed():
     await first
     await b.submit(rows(2))
     assert runner.batches == [1, 2], f"the abandoned 3-row request ran: {runner.batches}"
+    await b.stop()
+
+
+async def test_infinite_threshold_runs_every_batch_on_the_event_loop():
+    runner = ThreadSpy()
+    b, _ = await started(runner, inline_batch_ms=math.inf)
+    for n in (1, 3):
+        await b.submit(rows(n))
+    loop_thread = threading.current_thread().name
+    assert runner.threads == [loop_thread, loop_thread], f"not measured yet, still inline: {runner.threads}"
     await b.stop()

@@ -1,5 +1,6 @@
 """The CLI: flags, environment variables and their precedence; settings validation."""
 
+import math
 import os
 import subprocess
 import sys
@@ -33,11 +34,10 @@ def test_defaults_serve_the_shipped_repository_on_loopback(monkeypatch):
     assert settings.rows_per_request == settings.max_batch_size == 64
 
 
-def test_torch_threads_default_leaves_the_event_loop_a_cpu(monkeypatch):
-    for cpus, expected in ((1, 1), (2, 1), (3, 2), (16, 15)):
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)), raising=False)
-        assert Settings().cpu_threads == expected, f"{cpus} usable CPUs"
-    assert Settings(torch_threads=3).cpu_threads == 3, "an explicit count is kept as given"
+def test_inline_threshold_defaults_by_device():
+    assert Settings().inline_ms("cpu") == math.inf, "a CPU model's batches all run on the event loop"
+    assert Settings().inline_ms("cuda") == 1.0
+    assert Settings(inline_batch_ms=0).inline_ms("cpu") == 0.0, "an explicit threshold holds for every device"
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
