@@ -151,13 +151,16 @@ class Batcher:
         self._queued_rows -= item.x.shape[0]
 
     async def _loop(self) -> None:
-        idle = True
+        idle, loaded = True, False
         while True:
             if not self._queue:
                 if self._stopping:
                     return
                 await self._sleep(_IDLE, None)
-                idle = True
+                # A request woke an idle model: run at once. But after an inline batch of several
+                # requests, an empty queue only means the loop could not read the requests sent
+                # meanwhile: they are arriving now, so this batch fills like one behind a busy model.
+                idle = not loaded
                 continue
             if not idle and self._queued_rows < self.max_batch_size and not self._stopping:
                 # The model just finished a batch: let this one fill up to the oldest's deadline.
@@ -165,7 +168,7 @@ class Batcher:
             batch = self._take()
             idle = False
             if batch:
-                await self._execute(batch)
+                loaded = await self._execute(batch) and len(batch) > 1
 
     async def _sleep(self, state: str, timeout_s: float | None) -> None:
         """Wait for ``_wake`` (set by ``_enqueue`` as ``state`` asks, or by stop), at most ``timeout_s``."""
@@ -195,15 +198,17 @@ class Batcher:
             rows += n
         return batch
 
-    async def _execute(self, batch: list[_Pending]) -> None:
+    async def _execute(self, batch: list[_Pending]) -> bool:
+        """Run ``batch`` and answer its requests; returns whether it ran on the event loop's thread."""
         started = time.monotonic()
         waits = [started - item.enqueued for item in batch]
         x = np.concatenate([item.x for item in batch]) if len(batch) > 1 else batch[0].x
         rows = x.shape[0]
         bucket = 1 << (rows - 1).bit_length()
         last = self._compute_s.get(bucket)
+        inline = self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s)
         try:
-            if self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s):
+            if inline:
                 out, compute_s = self._run(x)
             else:
                 out, compute_s = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
@@ -213,7 +218,7 @@ class Batcher:
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(error)
-            return
+            return inline
         self._compute_s[bucket] = compute_s
         for recorder in self._recorders:
             recorder.record_batch(self.runner.name, rows, waits, compute_s)
@@ -223,6 +228,7 @@ class Batcher:
             if not item.future.done():
                 item.future.set_result(out[start:stop])
             start = stop
+        return inline
 
     def _run(self, x: np.ndarray) -> tuple[np.ndarray, float]:
         """The runner's output for ``x`` and its wall time, measured where it runs (no hand-off)."""

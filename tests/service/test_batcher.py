@@ -281,3 +281,19 @@ async def test_infinite_threshold_runs_every_batch_on_the_event_loop():
     loop_thread = threading.current_thread().name
     assert runner.threads == [loop_thread, loop_thread], f"not measured yet, still inline: {runner.threads}"
     await b.stop()
+
+
+async def test_after_an_inline_batch_of_several_requests_the_next_batch_fills():
+    # Inline, the loop cannot read requests while the model computes; they are enqueued just after
+    # the batch, into an empty queue. Under load (a batch of several requests) they must still be
+    # batched together, not dispatched one by one as if the model were idle.
+    runner = ThreadSpy()
+    b, _ = await started(runner, inline_batch_ms=math.inf, max_delay_ms=200.0)
+    await b.submit(rows(1))  # a lone request on an idle model: at once
+    await asyncio.gather(*(b.submit(rows(1)) for _ in range(2)))  # queued together: one batch of 2
+    later = [asyncio.ensure_future(b.submit(rows(1)))]
+    await asyncio.sleep(0.02)  # arrives after the batch of 2, well within max_delay_ms
+    later.append(asyncio.ensure_future(b.submit(rows(1))))
+    await asyncio.gather(*later)
+    assert runner.batches == [1, 2, 2], f"batches {runner.batches}"
+    await b.stop()
