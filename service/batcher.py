@@ -9,7 +9,9 @@ Where a batch runs: handing it to a worker thread and back costs ~0.15 ms of CPU
 thread wake-ups and the GIL changing hands), more than a small model's whole batch on the CPU
 (digits: ~0.05 ms) or a CUDA graph replay. So a batch whose row count last took less than
 ``inline_batch_ms`` (``inf``: every batch) runs on the event loop's thread; longer ones (and any row
-count not yet measured) run in the one worker thread, so the loop keeps reading requests meanwhile."""
+count not yet measured) run in the one worker thread, so the loop keeps reading requests meanwhile.
+While an inline batch runs nothing is read, so after an inline batch of several requests the next
+batch fills (as behind a busy model) even from an empty queue: its requests are still arriving."""
 
 from __future__ import annotations
 
