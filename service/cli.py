@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 
+from service.logs import FORMATS, configure
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 # Flag name -> Settings field; a flag left unset keeps the environment's (or the default) value.
 _FLAGS = {
     "--host": ("host", str, "interface to bind (default 127.0.0.1)"),
@@ -32,7 +35,10 @@ def parser() -> argparse.ArgumentParser:
     for flag, (field, kind, help_text) in _FLAGS.items():
         env = "FUSEDSERVE_" + field.upper()
         serve.add_argument(flag, dest=field, type=kind, default=None, help=f"{help_text}; env {env}")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default=os.environ.get("FUSEDSERVE_LOG_LEVEL", "info"),
+                       choices=LOG_LEVELS, help="env FUSEDSERVE_LOG_LEVEL")
+    serve.add_argument("--log-format", default=os.environ.get("FUSEDSERVE_LOG_FORMAT", "text"), choices=FORMATS,
+                       help="text, or json: one JSON object per line; env FUSEDSERVE_LOG_FORMAT")
     return top
 
 
@@ -50,10 +56,11 @@ def serve(args: argparse.Namespace, settings) -> None:
     from service.app import create_app
     from service.server import DrainingServer
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(args.log_level, args.log_format)
     app = create_app(settings)
+    # Our middleware writes the access log, with the request id; uvicorn's own would repeat it.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                            lifespan="on")
+                            lifespan="on", access_log=False, log_config=None)
     DrainingServer(config, app.state.service, settings.drain_grace_s).run()
 
 
@@ -63,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     top = parser()
     args = top.parse_args(argv)
     if args.command == "serve":
+        # Defaults read from the environment skip argparse's choices check: check them here.
+        if args.log_level not in LOG_LEVELS:
+            top.error(f"log level must be one of {LOG_LEVELS}, got {args.log_level!r} (FUSEDSERVE_LOG_LEVEL?)")
+        if args.log_format not in FORMATS:
+            top.error(f"log format must be one of {FORMATS}, got {args.log_format!r} (FUSEDSERVE_LOG_FORMAT?)")
         try:
             settings = settings_from_args(args)
         except ValidationError as exc:  # a bad flag or FUSEDSERVE_* value: usage and why, exit 2

@@ -25,7 +25,8 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
-    s = Server(repo, tmp_path_factory.mktemp("log") / "server.log", "--max-batch-size", "16")
+    s = Server(repo, tmp_path_factory.mktemp("log") / "server.log", "--max-batch-size", "16",
+               "--log-format", "json")
     try:
         s.wait_ready()
         yield s
@@ -41,6 +42,24 @@ def test_infer_over_http(server, repo):
     np.testing.assert_allclose(r.json()["outputs"], reference(repo, "tiny", ROWS), rtol=RTOL, atol=ATOL)
     r = httpx.post(server.url + "/infer", json={"model": "tiny", "inputs": [[1.0]]}, timeout=10)
     assert r.status_code == 422 and "expects 3" in r.json()["error"], r.text
+
+
+def test_json_access_log_names_the_request_id(server):
+    r = httpx.post(server.url + "/infer", json={"model": "tiny", "inputs": ROWS.tolist()},
+                   headers={"X-Request-ID": "log-me-42"}, timeout=10)
+    assert r.status_code == 200, r.text
+    end = time.monotonic() + 5  # the server writes its log line after answering
+    while time.monotonic() < end:
+        lines = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
+        hits = [e for e in lines if e.get("request_id") == "log-me-42"]
+        if hits:
+            break
+        time.sleep(0.05)
+    assert hits, f"no access-log entry for the request id in:\n{server.log.read_text()[-2000:]}"
+    entry = hits[0]
+    assert (entry["logger"], entry["method"], entry["path"], entry["status"]) == \
+        ("fusedserve.access", "POST", "/infer", 200), entry
+    assert entry["duration_ms"] > 0, entry
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
