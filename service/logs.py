@@ -10,7 +10,8 @@ import time
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 # (uvicorn adds "color_message", an ANSI-coloured copy of the message: noise in JSON.)
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message", "asctime", "taskName", "color_message"}
 FORMATS = ("text", "json")
 
 
