@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
@@ -33,11 +32,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
     # Rows one request may carry; None means max_batch_size, since a request is never split.
     max_rows_per_request: int | None = Field(None, ge=1)
-    # Where batches run. None: every batch of a CPU model runs on the event loop's thread (torch then
-    # has every core to itself; next to request handling in a worker thread its threads straggle:
-    # 4x2048 float32 on the 2-core dev machine, 64 clients, ~980 -> ~1180 req/s), and a CUDA model's
-    # batch runs there when its row count last took < 1 ms (a thread hand-off costs ~0.15 ms).
-    # A number sets that threshold for every model; 0 = always the worker thread.
+    # Where batches run. None: a CPU model's batch runs on the event loop's thread when its row count
+    # last took < 25 ms (torch then has every core to itself; next to request handling in a worker
+    # thread its threads straggle: 4x2048 float32, ~11 ms batches, on the 2-core dev machine at 64
+    # clients, ~980 -> ~1180 req/s), longer ones in the worker thread so probes and request parsing
+    # never stall longer than that; a CUDA model's when it last took < 1 ms (a thread hand-off costs
+    # ~0.15 ms). A number sets that threshold for every model; 0 = always the worker thread.
     inline_batch_ms: float | None = Field(None, ge=0.0)
     # torch intra-op threads for CPU models; 0 = torch's default (one per physical core).
     torch_threads: int = Field(0, ge=0)
@@ -72,7 +72,7 @@ class Settings(BaseSettings):
         """``inline_batch_ms`` resolved for a model on ``device_type`` ("cpu", "cuda")."""
         if self.inline_batch_ms is not None:
             return self.inline_batch_ms
-        return math.inf if device_type == "cpu" else 1.0
+        return 25.0 if device_type == "cpu" else 1.0
 
     @property
     def rows_per_request(self) -> int:

@@ -1,6 +1,5 @@
 """The CLI: flags, environment variables and their precedence; settings validation."""
 
-import math
 import os
 import subprocess
 import sys
@@ -35,7 +34,7 @@ def test_defaults_serve_the_shipped_repository_on_loopback(monkeypatch):
 
 
 def test_inline_threshold_defaults_by_device():
-    assert Settings().inline_ms("cpu") == math.inf, "a CPU model's batches all run on the event loop"
+    assert Settings().inline_ms("cpu") == 25.0, "a CPU model's batches under 25 ms run on the event loop"
     assert Settings().inline_ms("cuda") == 1.0
     assert Settings(inline_batch_ms=0).inline_ms("cpu") == 0.0, "an explicit threshold holds for every device"
 
