@@ -2,8 +2,8 @@
 
 The interpreter runs the kernels' Python, not the compiler, so it misses what only the compiler
 rejects (a non-constexpr global, a layout it cannot lower). This compiles each tuning candidate the
-way a launch on an H200 would, from mock tensors. It uses private triton 3.6 APIs (the argument
-binder and ``_pack_args``), which is why they live only here. Run without ``TRITON_INTERPRET``:
+way a launch on an H200 would, from mock tensors (through ``kernels._sm90``). Run without
+``TRITON_INTERPRET``:
 
     python -m kernels._sm90_triton        # one line per compile; exit status 1 if any failed
 """
@@ -13,25 +13,12 @@ import time
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import ASTSource
-from triton.runtime.jit import MockTensor, create_function_from_signature
+from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import small_m, tiled, tma_persistent
+from kernels._sm90 import compile_sm90
 from kernels.activations import ACTIVATIONS
-
-SM90 = GPUTarget("cuda", 90, 32)
-
-
-def compile_sm90(kernel, args, meta):
-    """Compile a ``@triton.jit`` kernel for sm_90 with the launch's args and meta-parameters."""
-    backend = triton.compiler.make_backend(SM90)
-    options = {k: meta[k] for k in ("num_warps", "num_stages") if k in meta}
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, parsed = binder(*args, **meta)
-    parsed, signature, constexprs, attrs = kernel._pack_args(backend, options, bound, specialization, parsed)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=SM90, options=parsed.__dict__)
 
 
 def compile_launch(module, M, N, K, dtype, config, activation="relu"):

@@ -87,7 +87,8 @@ def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
 @pytest.mark.parametrize("cfg", GLUON_CONFIGS, ids=str)
 @pytest.mark.parametrize("activation", GLUON_ACTIVATIONS)
 def test_no_register_spills(cfg, activation):
-    from kernels._sm90_compile import compile_sm90, ptxas_usage
+    from kernels._sm90 import ptxas_usage
+    from kernels._sm90_compile import compile_sm90
 
     # A spilled accumulator goes through local memory on every k-step: the kernel would crawl.
     compiled = compile_sm90(4096, 4096, 4096, torch.bfloat16, cfg, activation, True)
