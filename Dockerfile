@@ -9,7 +9,8 @@ ENV PYTHONUNBUFFERED=1 \
     FUSEDSERVE_HOST=0.0.0.0 \
     FUSEDSERVE_PORT=8000 \
     FUSEDSERVE_MODEL_REPOSITORY=/models \
-    FUSEDSERVE_TUNE_CACHE=/home/fusedserve/.cache/fusedserve
+    FUSEDSERVE_TUNE_CACHE=/home/fusedserve/.cache/fusedserve \
+    TRITON_CACHE_DIR=/home/fusedserve/.cache/triton
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
