@@ -24,20 +24,15 @@ from kernels.gluon_linear import (
 def reference(x, weight, bias, activation):
     """act(x @ weight^T + bias) in float64: the answer both the kernel and torch are measured against."""
     y = x.double() @ weight.double().T
-    if bias is not None:
-        y = y + bias.double()
-    if activation == "relu":
-        return torch.relu(y)
-    if activation == "gelu":
-        return F.gelu(y, approximate="tanh")
-    if activation == "silu":
-        return F.silu(y)
-    return y
+    return torch_activation(y if bias is None else y + bias.double(), activation)
 
 
 def torch_same_dtype(x, weight, bias, activation):
     """What torch itself computes in the input dtype, to measure torch's own rounding error."""
-    y = F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    return torch_activation(F.linear(x, weight, None if bias is None else bias.to(x.dtype)), activation)
+
+
+def torch_activation(y, activation):
     if activation == "relu":
         return torch.relu(y)
     if activation == "gelu":
