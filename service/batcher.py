@@ -16,6 +16,7 @@ batch fills (as behind a busy model) even from an empty queue: its requests are 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -33,6 +34,9 @@ from service.errors import (
     NotReady,
     QueueFull,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
@@ -222,14 +226,18 @@ class Batcher:
                     item.future.set_exception(error)
             return inline
         self._compute_s[bucket] = compute_s
-        for recorder in self._recorders:
-            recorder.record_batch(self.runner.name, rows, waits, compute_s)
         start = 0
         for item in batch:
             stop = start + item.x.shape[0]
             if not item.future.done():
                 item.future.set_result(out[start:stop])
             start = stop
+        # Answers first: a failing stats hook must neither hold them back nor end the batch loop.
+        for recorder in self._recorders:
+            try:
+                recorder.record_batch(self.runner.name, rows, waits, compute_s)
+            except Exception:
+                log.exception("recording a batch of model %r failed", self.runner.name)
         return inline
 
     def _run(self, x: np.ndarray) -> tuple[np.ndarray, float]:

@@ -297,3 +297,18 @@ async def test_after_an_inline_batch_of_several_requests_the_next_batch_fills():
     await asyncio.gather(*later)
     assert runner.batches == [1, 2, 2], f"batches {runner.batches}"
     await b.stop()
+
+
+class BrokenRecorder:
+    def record_batch(self, model, rows, waits, compute_s):
+        raise RuntimeError("stats bug")
+
+
+async def test_a_failing_stats_hook_neither_holds_answers_nor_stops_the_loop(caplog):
+    b = Batcher(FakeRunner(), max_batch_size=8, max_delay_ms=1.0, max_queue_rows=64, recorders=(BrokenRecorder(),))
+    b.start()
+    for n in (1, 2):  # the second request proves the batch loop survived the first failure
+        out = await asyncio.wait_for(b.submit(rows(n)), timeout=5)
+        np.testing.assert_array_equal(out[:, 0], rows(n).sum(1))
+    assert "recording a batch of model 'fake' failed" in caplog.text
+    await b.stop()
