@@ -99,6 +99,13 @@ class Batcher:
         if self._task is not None:
             raise RuntimeError("batcher already started")
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.runner.name}")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        # The loop only returns on stop; anything else is a bug that must not pass silently.
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("the batch loop of model %r died; its requests will time out",
+                         self.runner.name, exc_info=task.exception())
 
     async def stop(self) -> None:
         """Refuse new requests, answer every queued one, then end the loop and the worker thread."""
