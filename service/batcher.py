@@ -95,6 +95,11 @@ class Batcher:
     def queued_rows(self) -> int:
         return self._queued_rows
 
+    @property
+    def running(self) -> bool:
+        """Whether the batch loop is alive (started and not ended)."""
+        return self._task is not None and not self._task.done()
+
     def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("batcher already started")
@@ -112,7 +117,12 @@ class Batcher:
         self._stopping = True
         self._wake.set()
         if self._task is not None:
-            await self._task
+            await asyncio.wait([self._task])  # a loop that died was logged by _loop_ended
+        while self._queue:  # left only by a dead loop: answer them rather than leave them hanging
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(NotReady(f"model {self.runner.name!r} stopped serving"))
+        self._queued_rows = 0
         self._executor.shutdown(wait=True)
 
     async def submit(self, x: np.ndarray, timeout_s: float | None = None,

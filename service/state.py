@@ -43,8 +43,15 @@ class ServiceState:
             runner.collect_timings()
 
     @property
+    def stalled(self) -> list[str]:
+        """Models whose batch loop died while serving: nothing will answer their requests."""
+        if not self.serving or self.draining:
+            return []
+        return sorted(name for name, b in self.batchers.items() if not b.running)
+
+    @property
     def ready(self) -> bool:
-        return self.serving and not self.draining
+        return self.serving and not self.draining and not self.stalled
 
     def model(self, name: str | None) -> ModelInfo:
         """The named model; ``None`` picks the only one. Raises 404/422/503 with what to send."""

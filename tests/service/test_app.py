@@ -331,3 +331,18 @@ async def test_gc_freeze_after_warm_up(repository):
             assert gc.get_freeze_count() > 0, "objects alive after warm-up were not frozen"
     finally:
         gc.unfreeze()  # give the rest of the test session its collector back
+
+
+async def test_a_dead_batch_loop_fails_both_probes(client):
+    batcher = client.app.state.service.batchers["tiny"]
+
+    def broken_take():
+        raise RuntimeError("bug in the batch loop")
+
+    batcher._take = broken_take  # the loop's next batch kills it
+    r = await client.post("/infer", json={"model": "tiny", "inputs": [[1.0, 2.0, 3.0]]},
+                          headers={"X-Request-Timeout-Ms": "300"})
+    assert r.status_code == 504, r.text
+    for path in ("/v2/health/ready", "/v2/health/live"):
+        r = await client.get(path)
+        assert r.status_code == 503 and "batch loop stopped for ['tiny']" in r.json()["error"], (path, r.text)
