@@ -4,10 +4,20 @@ The kernels take the activation as a ``tl.constexpr`` string, so each choice com
 specialised epilogue with no branch at run time.
 """
 
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
+
+# What each activation computes, in torch: the reference the kernels are tested against, and what
+# the torch code paths (empty K, the torch backend) apply.
+TORCH_ACTIVATIONS = {
+    "none": lambda y: y,
+    "relu": F.relu,
+    "gelu": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+}
 
 # sqrt(2 / pi), the constant of the tanh approximation of GELU (a constexpr: jit code may only
 # read globals that are).

@@ -10,6 +10,7 @@ import math
 import torch
 
 from kernels import dispatch, selection, tma_persistent
+from kernels.activations import TORCH_ACTIVATIONS
 from kernels.arguments import check_args, interpreting
 
 KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON)
@@ -27,16 +28,6 @@ def _flatten(x, weight, bias):
     return x2d, _unit_column_stride(weight), (bias.contiguous() if bias is not None else None), lead
 
 
-def _torch_activation(t, activation):
-    if activation == "relu":
-        return torch.relu(t)
-    if activation == "gelu":
-        return torch.nn.functional.gelu(t, approximate="tanh")
-    if activation == "silu":
-        return torch.nn.functional.silu(t)
-    return t
-
-
 def _degenerate(x2d, weight, bias, activation):
     """The result when M, N or K is 0 (no kernel launch), else None."""
     M, K = x2d.shape
@@ -48,7 +39,7 @@ def _degenerate(x2d, weight, bias, activation):
         acc = torch.zeros((M, N), device=x2d.device, dtype=torch.float32)
         if bias is not None:
             acc += bias.float()
-        return _torch_activation(acc, activation).to(x2d.dtype)
+        return TORCH_ACTIVATIONS[activation](acc).to(x2d.dtype)
     return None
 
 

@@ -13,20 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activations import TORCH_ACTIVATIONS as KERNEL_TORCH_ACTIVATIONS
+
 BACKENDS = ("triton", "torch")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# The torch reference of every activation a model may name. The triton backend additionally
-# needs the name in ``kernels.ACTIVATIONS`` (checked when a layer is built).
-TORCH_ACTIVATIONS = {
-    "none": lambda y: y,
-    "relu": F.relu,
-    "gelu": lambda y: F.gelu(y, approximate="tanh"),  # the approximation kernels.fused_linear uses
-    "silu": F.silu,
-    "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh,
-}
+# The torch reference of every activation a model may name: the kernels' own, plus two the torch
+# backend alone runs. The triton backend needs the name in ``kernels.ACTIVATIONS`` (checked when a
+# layer is built).
+TORCH_ACTIVATIONS = {**KERNEL_TORCH_ACTIVATIONS, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
 @dataclass(frozen=True)
