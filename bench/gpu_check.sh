@@ -67,11 +67,11 @@ for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
         tests) stage tests 420 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header -p no:cacheprovider ;;
-        tests-quick) stage tests-quick 150 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
+        tests-quick) stage tests-quick 200 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
             -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 150 python3 bench/model.py --quick --out "$out" ;;
-        kernels) stage kernels 230 python3 bench/kernels.py --quick --budget-s 110 --out "$out" ;;
+        kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --out "$out" ;;
         load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
         *) echo "unknown stage: $s (env tests tests-quick e2e model kernels kernels-full load)" | tee -a "$log" ;;

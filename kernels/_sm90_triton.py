@@ -21,32 +21,28 @@ from kernels._sm90 import compile_sm90
 from kernels.activations import ACTIVATIONS
 
 
-def compile_launch(module, M, N, K, dtype, config, activation="relu"):
-    """Compile what ``module.launch`` would run for this shape (mock tensors, bias present)."""
+def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True):
+    """Compile what ``module.launch`` would run for this shape (mock tensors, bias present), as a
+    programmatic dependent launch (with the weight prefetch, where the kernel has one) or not."""
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     common = dict(HAS_BIAS=True, ACTIVATION=activation, UPCAST_BF16=False)
     precision = dict(INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    pdl_flags = dict(USE_PDL=pdl)
     if module is tiled:
         return [compile_sm90(tiled._tiled_linear_kernel, (x, w, b, y, M, N, K, K, K, N),
-                             {**common, **precision, **config})]
+                             {**common, **precision, **pdl_flags, **config})]
     if module is small_m:
         part = MockTensor(torch.float32, [config["SPLIT_K"], M, N])
-        args = (x, w, b, y, part, M, N, K, K, K, N)
+        locks = MockTensor(torch.int32, [small_m._LOCK_SLOTS])
+        args = (x, w, b, y, part, locks, M, N, K, K, K, N)
+        flags = dict(HAS_BIAS=True, ACTIVATION=activation, USE_PDL=pdl, PREFETCH_W=pdl)
         if config.get("GEMV"):
             meta = {k: v for k, v in config.items() if k != "GEMV"}
-            kernels = [compile_sm90(small_m._gemv_kernel, args,
-                                    dict(HAS_BIAS=True, ACTIVATION=activation,
-                                         BLOCK_M=triton.next_power_of_2(M), STAGES=meta["num_stages"],
-                                         **meta))]
-        else:
-            kernels = [compile_sm90(small_m._small_m_kernel, args,
-                                    {**common, **precision, "BLOCK_M": small_m.block_m(M), **config})]
-        if config["SPLIT_K"] > 1:
-            kernels.append(compile_sm90(small_m._split_k_reduce_kernel, (part, b, y, M, N, N),
-                                        dict(HAS_BIAS=True, ACTIVATION=activation, SPLIT_K=config["SPLIT_K"],
-                                             BLOCK=1024, num_warps=4)))
-        return kernels
-    meta = {"SPLIT_STORE": False, **common, **config}
+            return [compile_sm90(small_m._gemv_kernel, args,
+                                 dict(flags, BLOCK_M=triton.next_power_of_2(M), STAGES=meta["num_stages"], **meta))]
+        return [compile_sm90(small_m._small_m_kernel, args,
+                             dict(flags, UPCAST_BF16=False, **precision, BLOCK_M=small_m.block_m(M), **config))]
+    meta = {"SPLIT_STORE": False, **common, **pdl_flags, **config}
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
              TensorDescriptor.from_tensor(y, [bm, bn // 2 if meta["SPLIT_STORE"] else bn]))

@@ -48,7 +48,7 @@ def _tma_aligned(x2d, weight):
     return (weight.shape[0] * x2d.element_size()) % 16 == 0 and tma_persistent.tma_compatible(x2d, weight)
 
 
-def fused_linear(x, weight, bias=None, activation="relu"):
+def fused_linear(x, weight, bias=None, activation="relu", *, static_weight=False):
     """``Y = act(X @ W^T + b)`` with bias and activation fused into the GEMM epilogue.
 
     x: ``[..., K]``; weight: ``[N, K]`` (``nn.Linear`` layout); bias: ``[N]`` or None; activation:
@@ -94,9 +94,9 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
     return selection.launch(chosen, config, x2d, weight, bias, activation).reshape(*lead, N)
 
 
-def kernel_choice(M, N, K, dtype, device):
+def kernel_choice(M, N, K, dtype, device, *, static_weight=False):
     """``(kernel name, config string)`` that ``fused_linear`` uses for contiguous ``[M, K]``
-    inputs of this dtype on ``device``. Before this batch bucket has been tuned here it names the
+    inputs of this dtype on ``device`` (with ``static_weight`` as passed to it). Before this batch bucket has been tuned here it names the
     default kernel with config ""; under the interpreter it names the fixed config used there."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -109,7 +109,7 @@ def kernel_choice(M, N, K, dtype, device):
     if interpreting() or device.type != "cuda":
         name = kernels[0]
         return name, selection.describe(name, selection.LAUNCHERS[name].INTERPRET_CONFIG, M, N, K, device)
-    tuned = selection.cached_choice(kernels, M, N, K, dtype, device)
+    tuned = selection.cached_choice(kernels, M, N, K, dtype, device, static_weight)
     if tuned is None:
         return kernels[0], ""
     return tuned[0], selection.describe(tuned[0], tuned[1], M, N, K, device)

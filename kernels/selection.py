@@ -54,30 +54,43 @@ def _tune_cache(device_name):
     return autotune_cache.TuneCache(device_name)
 
 
-def _tune_key(kernels, M, N, K, dtype):
+def _tune_key(kernels, M, N, K, dtype, static_weight):
     # The candidate set is part of the key: a different set (Gluon missing, say) is tuned afresh.
+    # So is the weight prefetch, which changes the kernels' timing and shared memory.
     return (f"{'+'.join(kernels)}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}"
-            f"|{input_precision(dtype)}")
+            f"|{input_precision(dtype)}" + ("|static_weight" if static_weight else ""))
 
 
-def cached_choice(kernels, M, N, K, dtype, device):
+def cached_choice(kernels, M, N, K, dtype, device, static_weight=False):
     """The tuned ``(kernel, config)`` for this bucket, or None if it has not been tuned here."""
     if interpreting():
         return None
-    entry = _tune_cache(torch.cuda.get_device_name(device)).get(_tune_key(kernels, M, N, K, dtype))
+    entry = _tune_cache(torch.cuda.get_device_name(device)).get(_tune_key(kernels, M, N, K, dtype, static_weight))
     return None if entry is None else (entry["kernel"], entry["config"])
 
 
-def _launch_kw(dtype):
-    return dict(input_precision=input_precision(dtype), upcast_bf16=interpreting() and dtype == torch.bfloat16)
+def pdl_supported(device):
+    """Programmatic dependent launch (``griddepcontrol``): compute capability 9.0 or later. The
+    Triton kernels are launched that way wherever it is supported: each lets the next kernel on
+    the stream start launching at once and waits for the previous one to finish before reading
+    its inputs, so back-to-back layers do not pay a launch gap."""
+    cap = capability(device)
+    return cap is not None and cap[0] >= 9
 
 
-def launch(name, config, x2d, weight, bias, activation):
+def _launch_kw(x2d, static_weight):
+    pdl = pdl_supported(x2d.device)
+    return dict(input_precision=input_precision(x2d.dtype),
+                upcast_bf16=interpreting() and x2d.dtype == torch.bfloat16,
+                pdl=pdl, prefetch_weight=pdl and static_weight)
+
+
+def launch(name, config, x2d, weight, bias, activation, static_weight=False):
     """Run one kernel with one config (None for Gluon, which picks its own) into a new output."""
     if name == dispatch.GLUON:
         return gluon_module().gluon_fused_linear(x2d, weight, bias, activation)
     out = torch.empty((x2d.shape[0], weight.shape[0]), device=x2d.device, dtype=x2d.dtype)
-    return LAUNCHERS[name].launch(x2d, weight, bias, activation, out, config, **_launch_kw(x2d.dtype))
+    return LAUNCHERS[name].launch(x2d, weight, bias, activation, out, config, **_launch_kw(x2d, static_weight))
 
 
 def _options(kernels, M, N, K, dtype):
@@ -113,7 +126,7 @@ def _same_layout_copy(t):
     return out.copy_(t.detach())  # a parameter's copy need not join autograd
 
 
-def choose(kernels, x2d, weight, bias, activation):
+def choose(kernels, x2d, weight, bias, activation, static_weight=False):
     """The ``(kernel, config)`` to run: the interpreter's fixed choice, the cached tuned one, or
     (first call for this bucket) the fastest of every candidate kernel and config, timed now on
     these arguments and stored. Inside a CUDA-graph capture, where timing would break the capture,
@@ -124,7 +137,7 @@ def choose(kernels, x2d, weight, bias, activation):
     if interpreting():  # (check_args lets CPU tensors through only then)
         name = kernels[0]
         return name, None if name == dispatch.GLUON else LAUNCHERS[name].INTERPRET_CONFIG
-    tuned = cached_choice(kernels, M, N, K, x2d.dtype, x2d.device)
+    tuned = cached_choice(kernels, M, N, K, x2d.dtype, x2d.device, static_weight)
     if tuned is not None:
         return tuned
     options = _options(kernels, M, N, K, x2d.dtype)
@@ -135,11 +148,11 @@ def choose(kernels, x2d, weight, bias, activation):
 
     def run(option):  # each call takes the next copy of the arguments (cold L2, as in serving)
         xs, ws, bs = sets[next(turn) % len(sets)]
-        return launch(option[0], option[1], xs, ws, bs, activation)
+        return launch(option[0], option[1], xs, ws, bs, activation, static_weight)
 
     _, best = autotune_cache.time_configs(options, run, timer=autotune_cache.default_timer(len(sets)))
     _tune_cache(torch.cuda.get_device_name(x2d.device)).put(
-        _tune_key(kernels, M, N, K, x2d.dtype), {"kernel": best[0], "config": best[1]})
+        _tune_key(kernels, M, N, K, x2d.dtype, static_weight), {"kernel": best[0], "config": best[1]})
     return best
 
 

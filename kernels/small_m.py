@@ -5,8 +5,8 @@ is built to stream W at full bandwidth: "swap AB" computes ``Y^T[N, M] = W[N, K]
 fills the MMA's M side (X's rows fill the narrow side, padded to at least 16), W tiles are read along K in
 16-byte vectors and pipelined over ``num_stages`` to keep many bytes in flight, and K is split over
 ``SPLIT_K`` programs when N alone gives too few programs to fill the GPU. Split-K partial sums go
-to an fp32 workspace and a second kernel adds them in a fixed order (deterministic, no atomics),
-then applies bias and activation.
+to an fp32 workspace; the last split of each output tile to finish (a counter per tile) adds them
+in a fixed order (deterministic) and applies bias and activation, in the same launch.
 
 For a handful of rows a second kernel, the GEMV variant (config ``GEMV=True``), skips the tensor
 cores: it multiplies each W tile by each row of X on the CUDA cores and sums along K, so M is not
@@ -21,9 +21,6 @@ from kernels.activations import apply_activation
 
 NAME = "triton_small_m"
 
-# Programs to aim for: an H200 has 132 SMs; split-K is chosen to give about 2 and about 4 programs
-# per SM, so each SM has several tiles' loads in flight at once (bandwidth needs bytes in flight).
-_TARGET_PROGRAMS = 264
 INTERPRET_CONFIG = dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)
 INTERPRET_GEMV_CONFIG = dict(GEMV=True, BLOCK_N=16, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=1)
 
@@ -33,69 +30,78 @@ def block_m(M):
     return min(128, max(16, triton.next_power_of_2(M)))
 
 
-# Shared memory the pipeline may fill (an H200 SM has 227 KB; leave room for the epilogue).
+# Shared memory the pipeline may fill (an H200 SM has 227 KB; leave room for the epilogue). Where it
+# can, the budget counts one buffer more than num_stages: the weight prefetch (``prefetch_weight``)
+# peels the first step off the loop and holds its tile apart.
 _SMEM_BUDGET = 200 * 1024
 
-# (BLOCK_N, BLOCK_K, num_stages) of the W tiles of the tensor-core variant. fp32 runs on FMAs (or
-# TF32): only tiles that keep the accumulator in registers without spilling (ptxas, sm_90).
-_TILES = ((32, 256, 4), (64, 128, 5), (64, 256, 3), (32, 128, 6), (128, 128, 3))
+# Tiles measured on the H200 (bf16, N=K=4096 and 1024, M=1..64, 2026-12-02): with X^T only
+# 16..64 wide, 64-row W tiles won at every M from 4 to 64 (narrower ones double the X^T traffic
+# through shared memory for the same W bytes), 256-deep with 3 stages or 128-deep with 5, split
+# 1 or 2 ways. (BLOCK_N, BLOCK_K, num_stages). fp32 runs on FMAs (or TF32): only tiles that keep the
+# accumulator in registers without spilling (ptxas, sm_90).
+_TILES = ((64, 256, 3), (64, 128, 5), (32, 256, 4), (128, 128, 3))
 _FP32_TILES = ((32, 256, 4), (32, 128, 6))
 # The GEMV variant (no tensor cores) for a handful of rows: the MMA would pad M to 16 and waste 15/16
 # of its work, and fp32 gets exact products without TF32. Up to GEMV_MAX_M rows it can run; it is a
 # tuning candidate up to _GEMV_TUNE_M rows (fp32 up to 16: there the tensor-core variant is IEEE
-# FMA code as well). (BLOCK_N, BLOCK_K, num_warps): 16 KB or 32 KB of W per tile, 16-byte loads.
+# FMA code as well). (BLOCK_N, BLOCK_K, num_warps, num_stages): one row of X streams best with
+# many small programs each reading 16 KB tiles (8 x 1024 bf16: 9.9 us at N=K=4096 against
+# 10.5 us for 16 x 512 on the H200, with the weight prefetch).
 GEMV_MAX_M = 16
 _GEMV_TUNE_M = {torch.float32: 16, torch.float16: 4, torch.bfloat16: 4}
-_GEMV_TILES = ((16, 512, 4), (32, 256, 4), (32, 512, 8))
-_FP32_GEMV_TILES = ((16, 256, 4), (32, 128, 4), (32, 256, 8))
-_GEMV_STAGES = 3  # with ~120 registers, 3-4 programs per SM: 6-8 W tiles (100+ KB) in flight per SM
+_GEMV_TILES = ((8, 1024, 4, 2), (16, 512, 4, 3), (16, 1024, 8, 2), (4, 1024, 4, 3))
+_FP32_GEMV_TILES = ((8, 512, 4, 2), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 8, 3))
+# Split K only while the grid stays within about 4 programs per SM of an H200 (132 SMs).
+_MAX_PROGRAMS = 4 * 132
 
 
-def _splits(programs, k_blocks):
-    """Split-K factors giving about 2 and about 4 programs per SM, each split >= 2 K blocks."""
-    split = 1
-    while programs * split * 2 <= _TARGET_PROGRAMS and split * 2 <= k_blocks // 2:
-        split *= 2
-    more = programs * split * 2 <= 2 * _TARGET_PROGRAMS and split * 4 <= k_blocks
-    return sorted({split, split * 2 if more else split})
+def _splits(programs, k_blocks, ways=(1, 2, 4, 8)):
+    """Split-K factors worth timing: unsplit, and each split that leaves every program >= 2 K
+    blocks and the grid within ``_MAX_PROGRAMS``; at most the three smallest that add programs
+    where the grid has fewer than 2 per SM."""
+    fits = [s for s in ways if s == 1 or (s * 2 <= k_blocks and programs * s <= _MAX_PROGRAMS)]
+    if programs >= _MAX_PROGRAMS // 2:
+        return fits[:2]
+    return fits[:3]
 
 
 def candidates(M, N, K, dtype):
-    """Configs worth timing for this shape (at most 8). Tensor-core tiles, each with the split-K
+    """Configs worth timing for this shape (at most 12): tensor-core tiles, each with the split-K
     factors of ``_splits``, pipelines shortened to fit in shared memory (or the tile left out);
-    for a few rows, GEMV tiles (``GEMV=True``) take the place of some tensor-core tiles."""
+    for a few rows, GEMV tiles (``GEMV=True``) first, then the two best tensor-core tiles."""
     bm = block_m(M)
     column_programs = triton.cdiv(M, bm)
     itemsize = 4 if dtype == torch.float32 else 2
-    gemv = M <= _GEMV_TUNE_M[dtype]
+    configs = []
+    if M <= _GEMV_TUNE_M[dtype]:
+        for block_n, block_k, warps, stages in _FP32_GEMV_TILES if dtype == torch.float32 else _GEMV_TILES:
+            for s in _splits(triton.cdiv(N, block_n), triton.cdiv(K, block_k), ways=(1, 2)):
+                configs.append(dict(GEMV=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s,
+                                    num_warps=warps, num_stages=stages))
     tiles = _FP32_TILES if dtype == torch.float32 else _TILES
-    if gemv:
+    if configs:
         tiles = tiles[:2]
     elif M <= 64:
-        tiles = tiles[:4]  # one 32- or 64-row tile per W read: the 128-row tile only pays off later
-    else:
-        tiles = tiles[:3] + tiles[4:]
-    configs = []
+        tiles = tiles[:3]  # one 16- to 64-row X^T tile per W read: the 128-row W tile pays off later
     for block_n, block_k, stages in tiles:
-        if (block_n + bm) * block_k * itemsize * stages > _SMEM_BUDGET:
-            stages = _SMEM_BUDGET // ((block_n + bm) * block_k * itemsize)
-            if stages < 2:
-                continue
-        splits = _splits(triton.cdiv(N, block_n) * column_programs, triton.cdiv(K, block_k))
-        for s in splits[-1:] if gemv else splits:
+        stage_bytes = (block_n + bm) * block_k * itemsize
+        fits = _SMEM_BUDGET // stage_bytes
+        # Room for the prefetched tile where there is some; else the config may not fit with the
+        # prefetch, and the tuner skips it there (configs that do not fit are left out quietly).
+        stages = min(stages, fits - 1 if fits > 2 else fits)
+        if stages < 2:
+            continue
+        for s in _splits(triton.cdiv(N, block_n) * column_programs, triton.cdiv(K, block_k)):
             configs.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s, num_warps=4, num_stages=stages))
-    if gemv:
-        for block_n, block_k, warps in _FP32_GEMV_TILES if dtype == torch.float32 else _GEMV_TILES:
-            for s in _splits(triton.cdiv(N, block_n), triton.cdiv(K, block_k)):
-                configs.append(dict(GEMV=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s,
-                                    num_warps=warps, num_stages=_GEMV_STAGES))
-    return configs
+    return configs[:12]
 
 
 @triton.jit
 def _small_m_kernel(
-    # pointers (part_ptr: fp32 workspace [SPLIT_K, M, N], used only when SPLIT_K > 1)
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr,
+    # pointers (part_ptr: fp32 workspace [SPLIT_K, M, N] and lock_ptr: int32 tile counters, both
+    # used only when SPLIT_K > 1)
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr,
     # sizes
     M, N, K,
     # row strides in elements (column strides are 1)
@@ -105,12 +111,14 @@ def _small_m_kernel(
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32", only meaningful for fp32 inputs
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
+    PREFETCH_W: tl.constexpr,  # W is constant: read its first tile before that wait
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
 
-    # This program's share of K, in whole BLOCK_K steps.
+    # This program's share of K, in whole BLOCK_K steps (possibly none).
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_blocks, SPLIT_K)
     kb_start = pid_k * per_split
@@ -123,39 +131,57 @@ def _small_m_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
 
-    # Main loop: acc = W_tile @ X_tile^T in fp32.
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kb in range(kb_start, kb_stop):
-        k_left = K - kb * BLOCK_K
-        k_in = tl.arange(0, BLOCK_K) < k_left
+    kb_first = kb_start
+    if PREFETCH_W:
+        # The first W tile is read while the previous kernel may still run (nothing writes W), so
+        # this launch's memory traffic starts before the previous one's ends; the first step is
+        # peeled off the loop for that.
+        k_in = (offs_k < K) & (kb_start < kb_stop)
+        w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptrs, mask=k_in[:, None], other=0.0)
+        acc = _mma_step(acc, w, x, INPUT_PRECISION, UPCAST_BF16)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        kb_first += 1
+    elif USE_PDL:
+        # Let the next kernel start launching; read nothing the previous one may write before it ends.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+    # Main loop: acc = W_tile @ X_tile^T in fp32.
+    for kb in range(kb_first, kb_stop):
+        k_in = tl.arange(0, BLOCK_K) < K - kb * BLOCK_K
         w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_in[:, None], other=0.0)
-        if UPCAST_BF16:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
+        acc = _mma_step(acc, w, x, INPUT_PRECISION, UPCAST_BF16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (n), along acc's rows
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output rows (m), along acc's columns
-    mask = (cols[:, None] < N) & (rows[None, :] < M)
-    if SPLIT_K == 1:
-        # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + offs_n).to(tl.float32)[:, None]
-        acc = apply_activation(acc, ACTIVATION)
-        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + cols[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        p_ptrs = part_ptr + (pid_k * M + rows[None, :]).to(tl.int64) * N + cols[:, None]
-        tl.store(p_ptrs, acc, mask=mask)
+    _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym,
+            pid_m * tl.num_programs(0) + pid_n, pid_k, HAS_BIAS, ACTIVATION, SPLIT_K)
+
+
+@triton.jit
+def _mma_step(acc, w, x, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
+    """acc += W_tile @ X_tile^T on the tensor cores (fp32 tiles under the interpreter, whose bf16
+    tl.dot is wrong)."""
+    if UPCAST_BF16:
+        w = w.to(tl.float32)
+        x = x.to(tl.float32)
+    return tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
 def _gemv_kernel(
-    # pointers (part_ptr: fp32 workspace [SPLIT_K, M, N], used only when SPLIT_K > 1)
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr,
+    # pointers (part_ptr: fp32 workspace [SPLIT_K, M, N] and lock_ptr: int32 tile counters, both
+    # used only when SPLIT_K > 1)
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, lock_ptr,
     # sizes
     M, N, K,
     # row strides in elements (column strides are 1)
@@ -164,6 +190,8 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     STAGES: tl.constexpr,  # W tiles in flight per program (cp.async pipeline through shared memory)
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
+    PREFETCH_W: tl.constexpr,  # W is constant: read its first tile before that wait
 ):
     # No tensor cores: each W tile is multiplied by each of the (few) rows of X on the CUDA cores and
     # summed along K. Exact fp32 products for every dtype (no TF32, no padding of M to 16), and W is
@@ -181,90 +209,141 @@ def _gemv_kernel(
     rows = tl.arange(0, BLOCK_M)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb_start * BLOCK_K + offs_k)[None, :]
 
+    # acc [BLOCK_N, BLOCK_M]; for one row, an elementwise [BLOCK_N, BLOCK_K] accumulator reduced
+    # across K once at the end.
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    kb_first = kb_start
+    if PREFETCH_W:
+        # As in _small_m_kernel: the first W tile is read before waiting on the previous kernel.
+        k = kb_start * BLOCK_K + offs_k
+        k_in = (k < K) & (kb_start < kb_stop)
+        w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if BLOCK_M == 1:
+            wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc = _gemv_rows(acc, w, x_ptr, k, k_in, rows, M, stride_xm, BLOCK_M)
+        w_ptrs += BLOCK_K
+        kb_first += 1
+    elif USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+    for kb in tl.range(kb_first, kb_stop, num_stages=STAGES):
+        k = kb * BLOCK_K + offs_k
+        k_in = k < K
+        w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc = _gemv_rows(acc, w, x_ptr, k, k_in, rows, M, stride_xm, BLOCK_M)
+        w_ptrs += BLOCK_K
     if BLOCK_M == 1:
-        # One row: an elementwise [BLOCK_N, BLOCK_K] accumulator, reduced across K once at the end.
-        wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for kb in tl.range(kb_start, kb_stop, num_stages=STAGES):
-            k = kb * BLOCK_K + offs_k
-            w = tl.load(w_ptrs, mask=(k < K)[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            wide += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
-        acc = tl.sum(wide, axis=1)[None, :]
-    else:
-        # A few rows: each W tile is reduced against every row (rows past M repeat row M-1's data
-        # and are never stored).
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in tl.range(kb_start, kb_stop, num_stages=STAGES):
-            k = kb * BLOCK_K + offs_k
-            w = tl.load(w_ptrs, mask=(k < K)[None, :], other=0.0).to(tl.float32)
-            for m in tl.static_range(BLOCK_M):
-                x = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k < K, other=0.0)
-                dot_m = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-                acc = tl.where(rows[:, None] == m, acc + dot_m[None, :], acc)
-            w_ptrs += BLOCK_K
+        acc = tl.sum(wide, axis=1)[:, None]
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
-        acc = apply_activation(acc, ACTIVATION)
-        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        p_ptrs = part_ptr + (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(p_ptrs, acc, mask=mask)
+    _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, pid_n, pid_k,
+            HAS_BIAS, ACTIVATION, SPLIT_K)
 
 
 @triton.jit
-def _split_k_reduce_kernel(
-    part_ptr, b_ptr, y_ptr,
-    M, N, stride_ym,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # Sum the SPLIT_K partial tiles in order 0..SPLIT_K-1 (the same order every run), then the epilogue.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    n = offs % N
+def _gemv_rows(acc, w, x_ptr, k, k_in, rows, M, stride_xm, BLOCK_M: tl.constexpr):
+    """acc[:, m] += W_tile @ x[m, k] for each row m (rows past M repeat row M-1, never stored)."""
+    for m in tl.static_range(BLOCK_M):
+        x = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_in, other=0.0)
+        dot_m = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+        acc = tl.where(rows[None, :] == m, acc + dot_m[:, None], acc)
+    return acc
+
+
+@triton.jit
+def _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, lock_index, pid_k,
+            HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Epilogue of one output tile. ``acc [BLOCK_N, BLOCK_M]`` holds fp32 sums for output columns
+    ``cols`` (along N) and rows ``rows`` (along M). With split-K, every split stores its partial
+    sums; the last split of the tile to arrive adds all of them in split order (the same order
+    every run: deterministic) and applies the epilogue, all in this one launch."""
+    mask = (cols[:, None] < N) & (rows[None, :] < M)
+    if SPLIT_K > 1:
+        p_offs = rows[None, :].to(tl.int64) * N + cols[:, None]
+        tl.store(part_ptr + pid_k * M * N + p_offs, acc, mask=mask)
+        # Every thread's partial store is issued before the tile's counter moves (the barrier);
+        # the counter's acq_rel orders those stores before the last split's reads.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + lock_index, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros_like(acc)
+            for s in range(SPLIT_K):  # .cg: read the partials from L2, never from a stale L1 line
+                acc += tl.load(part_ptr + s * M * N + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            _store(acc, cols, rows, b_ptr, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
+            tl.atomic_xchg(lock_ptr + lock_index, 0)  # ready for the next launch
+    else:
+        _store(acc, cols, rows, b_ptr, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
+
+
+@triton.jit
+def _store(acc, cols, rows, b_ptr, y_ptr, N, stride_ym, mask, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    # Bias and activation while the accumulator is still in fp32, then one store of Y^T's tile.
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+        acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
     acc = apply_activation(acc, ACTIVATION)
-    tl.store(y_ptr + (offs // N).to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[None, :].to(tl.int64) * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
-def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16):
+# Split-K tile counters, one zeroed int32 buffer per device. Every split-K launch leaves its counters
+# at zero again. Launches on one device share them, so split-K kernels must not run concurrently
+# on two streams of one device (fusedserve runs a device's kernels on one stream at a time).
+_LOCK_SLOTS = 4096
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device):
+    """The device's counters, or None inside a CUDA-graph capture before any eager launch made them
+    (allocating there would zero them only when the graph replays)."""
+    if device not in _locks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _locks[device] = torch.zeros(_LOCK_SLOTS, device=device, dtype=torch.int32)
+    return _locks[device]
+
+
+def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
+           prefetch_weight=False):
     """Run on checked arguments: ``x [M, K]`` and ``weight [N, K]`` with unit column stride,
     ``out [M, N]`` with unit column stride, M >= 1. ``config`` comes from ``candidates`` or
-    ``INTERPRET_CONFIG``."""
+    ``INTERPRET_CONFIG``. ``pdl``: launch as a programmatic dependent launch (sm_90+).
+    ``prefetch_weight``: with ``pdl``, read the first W tile before waiting for the previous kernel
+    on the stream; only for weights that no earlier kernel still writes."""
     M, K = x.shape
     N = weight.shape[0]
     meta = dict(config)
     gemv = meta.pop("GEMV", False)
-    split_k = meta["SPLIT_K"]
-    part = out if split_k == 1 else torch.empty((split_k, M, N), device=x.device, dtype=torch.float32)
-    common = (x, weight, bias if bias is not None else out, out, part, M, N, K,
+    if gemv and M > GEMV_MAX_M:
+        raise ValueError(f"config {config}: the GEMV variant takes at most {GEMV_MAX_M} rows, got M={M}")
+    bm = triton.next_power_of_2(M) if gemv else block_m(M)
+    grid = (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], 1 if gemv else triton.cdiv(M, bm))
+    locks = _tile_counters(x.device) if meta["SPLIT_K"] > 1 else out
+    if locks is None:  # first split-K launch inside a graph capture: unsplit is as right
+        meta["SPLIT_K"] = 1
+        grid = (grid[0], 1, grid[2])
+        locks = out
+    if grid[0] * grid[2] > _LOCK_SLOTS and meta["SPLIT_K"] > 1:
+        raise ValueError(f"config {config}: split-K over {grid[0] * grid[2]} output tiles, more than "
+                         f"the {_LOCK_SLOTS} tile counters")
+    part = out if meta["SPLIT_K"] == 1 else torch.empty((meta["SPLIT_K"], M, N), device=x.device,
+                                                        dtype=torch.float32)
+    common = (x, weight, bias if bias is not None else out, out, part, locks, M, N, K,
               x.stride(0), weight.stride(0), out.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, USE_PDL=pdl,
+                 PREFETCH_W=prefetch_weight, BLOCK_M=bm)
+    if pdl:
+        meta["launch_pdl"] = True  # a launch option, not a kernel argument
     if gemv:
-        if M > GEMV_MAX_M:
-            raise ValueError(f"config {config}: the GEMV variant takes at most {GEMV_MAX_M} rows, got M={M}")
-        grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k)
-        _gemv_kernel[grid](*common, HAS_BIAS=bias is not None, ACTIVATION=activation,
-                           BLOCK_M=triton.next_power_of_2(M), STAGES=meta["num_stages"], **meta)
+        _gemv_kernel[grid](*common, STAGES=meta["num_stages"], **flags, **meta)
     else:
-        bm = block_m(M)
-        grid = (triton.cdiv(N, meta["BLOCK_N"]), split_k, triton.cdiv(M, bm))
-        _small_m_kernel[grid](*common, HAS_BIAS=bias is not None, ACTIVATION=activation,
-                              INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, BLOCK_M=bm, **meta)
-    if split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(M * N, block),)](
-            part, bias if bias is not None else out, out,
-            M, N, out.stride(0),
-            HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=split_k, BLOCK=block,
-            num_warps=4,
-        )
+        _small_m_kernel[grid](*common, INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, **flags, **meta)
     return out

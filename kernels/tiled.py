@@ -62,7 +62,13 @@ def _tiled_linear_kernel(
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32", only meaningful for fp32 inputs
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
 ):
+    if USE_PDL:
+        # Let the next kernel start launching; read nothing the previous one may write before it ends.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # Grouped tile order: GROUP_M tile rows are swept column by column, reusing W tiles in L2.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -107,7 +113,8 @@ def _tiled_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16):
+def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
+           prefetch_weight=False):
     """Run the kernel on checked arguments: ``x [M, K]`` and ``weight [N, K]`` with unit column
     stride, ``out [M, N]`` contiguous, M >= 1. ``config`` is one of ``CONFIGS``/``INTERPRET_CONFIG``.
     """
@@ -121,6 +128,6 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, ACTIVATION=activation,
         INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16,
-        **meta,
+        USE_PDL=pdl, **meta, **({"launch_pdl": True} if pdl else {}),
     )
     return out

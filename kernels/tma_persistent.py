@@ -58,7 +58,13 @@ def _tma_persistent_kernel(
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_STORE: tl.constexpr,  # store the tile as two [BLOCK_M, BLOCK_N // 2] halves
+
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
 ):
+    if USE_PDL:
+        # Let the next kernel start launching; read nothing the previous one may write before it ends.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -97,7 +103,8 @@ def _tma_persistent_kernel(
             y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
-def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16):
+def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
+           prefetch_weight=False):
     """Run on checked 16-bit arguments that pass ``tma_compatible(x, weight, out)``, M >= 1.
     ``input_precision`` is accepted for a uniform launcher signature; 16-bit dots ignore it."""
     M, K = x.shape
@@ -117,6 +124,6 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
         x_desc, w_desc, y_desc, bias if bias is not None else out,
         M, N, K,
         HAS_BIAS=bias is not None, ACTIVATION=activation, UPCAST_BF16=upcast_bf16,
-        **meta,
+        USE_PDL=pdl, **meta, **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -249,8 +249,17 @@ class ModelRunner:
             return h
         h = self.model.normalize(x)  # [bucket, in], model dtype
         for i, layer in enumerate(self.model.layers):
-            h = self._launch(path, i, bucket, rows, lambda layer=layer, h=h: layer(h))
+            h = self._launch(path, i, bucket, rows, lambda layer=layer, h=h: self._layer(layer, h))
         return h  # [bucket, out]
+
+    def _layer(self, layer, h: torch.Tensor) -> torch.Tensor:
+        if self.backend != "triton":
+            return layer(h)
+        import kernels
+
+        # The runner serves weights that nothing writes while it runs (loaded, then synchronized in
+        # warm-up), so each layer may start streaming its weights before the previous layer ends.
+        return kernels.fused_linear(h, layer.weight, layer.bias, layer.activation, static_weight=True)
 
     def _launch(self, path: str, layer_index: int, bucket: int, rows: int | None, compute):
         """``compute()``, timed as layer ``layer_index`` of ``path`` when ``rows`` is set."""
@@ -380,7 +389,7 @@ class ModelRunner:
             import kernels
 
             choice = kernels.kernel_choice(bucket, layer.out_features, layer.in_features, self.dtype,
-                                           self.device)
+                                           self.device, static_weight=True)
         if choice[1] or self.backend == "torch":  # "" = not tuned yet: ask again next time
             self._kernels[key] = choice
         return choice
