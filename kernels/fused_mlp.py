@@ -11,8 +11,9 @@ design, streamed all the weights through one SM: ~130 us for the digits model on
 
 Under a CUDA graph the chain replays as ``len(layers)`` kernel nodes with no Python in between.
 On Hopper and later the layers are launched with programmatic dependent launch: each layer lets
-the next one start launching at once and waits (``griddepcontrol.wait``) only before reading its
-input, so a layer's launch latency hides behind the previous layer's work.
+the next one start launching at once, reads its first weight tile, and waits
+(``griddepcontrol.wait``) only before reading its input, so a layer's launch latency and first
+weight reads hide behind the previous layer's work.
 Every layer's weights are packed into one buffer (``pack_mlp``) once, when the runner is built.
 """
 
@@ -127,6 +128,32 @@ def config_str(config: dict) -> str:
 
 
 @triton.jit
+def _input_tile(src_ptr, shift_ptr, scale_ptr, rows, k0, K, stride_src, row_ok, NORMALIZE: tl.constexpr,
+                BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] input tile at k0, in the model dtype (normalized first for layer 0)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    a = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_src + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORMALIZE:
+        # Raw fp32 inputs, normalized in fp32 then rounded to the model dtype (as MLP.normalize).
+        # Masked columns load scale 0, so they contribute exact zeros.
+        shift = tl.load(shift_ptr + ks, mask=k_ok, other=0.0)
+        scale = tl.load(scale_ptr + ks, mask=k_ok, other=0.0)
+        a = ((a - shift[None, :]) * scale[None, :]).to(dtype)
+    return a
+
+
+@triton.jit
+def _dot(acc, a, w, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
+    # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
+    if UPCAST_BF16:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def _fused_mlp_layer_kernel(
     # pointers: this layer's input [M, K] (raw fp32 for layer 0), W [N, K], b [N], output [M, N];
     # the normalization [K] fp32 (read by layer 0 only)
@@ -139,36 +166,31 @@ def _fused_mlp_layer_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dst[m, n] = act(norm(src)[m, :] @ W[n, :] + b[n]) for this program's BLOCK_M x BLOCK_N tile."""
-    if USE_PDL:
-        # Let the next layer's launch begin now; it waits for this whole grid before reading dst.
-        tl.extra.cuda.gdc_launch_dependents()
-        # The previous kernel on the stream (the layer before) must have finished writing src, and
-        # every kernel before it too (each waited here), so nothing earlier still reads dst.
-        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    dtype = w_ptr.dtype.element_ty
+    # The [BLOCK_K, BLOCK_N] tiles of W^T, read straight from W [N, K].
+    w_ptrs = w_ptr + tl.arange(0, BLOCK_K)[:, None] + cols[None, :].to(tl.int64) * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(src_ptr + rows[:, None].to(tl.int64) * stride_src + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORMALIZE:
-            # Raw fp32 inputs, normalized in fp32 then rounded to the model dtype (as MLP.normalize).
-            # Masked columns load scale 0, so they contribute exact zeros.
-            shift = tl.load(shift_ptr + ks, mask=k_ok, other=0.0)
-            scale = tl.load(scale_ptr + ks, mask=k_ok, other=0.0)
-            a = ((a - shift[None, :]) * scale[None, :]).to(dtype)
-        # The [BLOCK_K, BLOCK_N] tile of W^T, read straight from W [N, K].
-        w = tl.load(w_ptr + ks[:, None] + cols[None, :].to(tl.int64) * K,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST_BF16:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+    k_first = 0
+    if USE_PDL:
+        # The packed weights are written once, when the runner is built, so the first W tile may be
+        # read while the previous layer still runs (the first k step is peeled off the loop for
+        # that). Then let the next layer start launching, and wait for the previous layer (and
+        # every kernel before it: each waited here) to finish writing src before reading it.
+        w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < K)[:, None] & col_ok[None, :], other=0.0)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, 0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
+                        w_ptr.dtype.element_ty)
+        acc = _dot(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
+        a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, k0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
+                        w_ptr.dtype.element_ty)
+        w = tl.load(w_ptrs + k0, mask=(k0 + tl.arange(0, BLOCK_K) < K)[:, None] & col_ok[None, :], other=0.0)
+        acc = _dot(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
     # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
     bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = apply_activation(acc + bias[None, :], ACTIVATION)
