@@ -57,6 +57,12 @@ def fused_linear(x, weight, bias=None, activation="relu", *, static_weight=False
     ``torch.backends.cuda.matmul.allow_tf32`` is True. CUDA tensors, or CPU tensors under
     ``TRITON_INTERPRET=1``. The first call for a new batch bucket on a GPU times the candidate
     kernels and configs (``kernels.tune`` does that ahead of time).
+
+    On compute capability 9.0+ the kernels are programmatic dependent launches (they wait for the
+    previous kernel on the stream before reading anything). ``static_weight=True`` promises that
+    no kernel still in flight on the stream writes ``weight`` (true of a served model's layers):
+    the weight-streaming kernel then starts reading W before that wait, overlapping the previous
+    kernel's end.
     """
     check_args(x, weight, bias, activation)
     x2d, weight, bias, lead = _flatten(x, weight, bias)
@@ -64,8 +70,8 @@ def fused_linear(x, weight, bias=None, activation="relu", *, static_weight=False
     if y is None:
         M, K = x2d.shape
         kernels = selection.candidates(M, weight.shape[0], K, x2d.dtype, x2d.device, _tma_aligned(x2d, weight))
-        name, config = selection.choose(kernels, x2d, weight, bias, activation)
-        y = selection.launch(name, config, x2d, weight, bias, activation)
+        name, config = selection.choose(kernels, x2d, weight, bias, activation, static_weight)
+        y = selection.launch(name, config, x2d, weight, bias, activation, static_weight)
     return y.reshape(*lead, weight.shape[0])
 
 
@@ -96,8 +102,9 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
 
 def kernel_choice(M, N, K, dtype, device, *, static_weight=False):
     """``(kernel name, config string)`` that ``fused_linear`` uses for contiguous ``[M, K]``
-    inputs of this dtype on ``device`` (with ``static_weight`` as passed to it). Before this batch bucket has been tuned here it names the
-    default kernel with config ""; under the interpreter it names the fixed config used there."""
+    inputs of this dtype on ``device`` (``static_weight`` as passed to it). Before this batch
+    bucket has been tuned here it names the default kernel with config ""; under the interpreter
+    it names the fixed config used there."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -411,3 +411,24 @@ def test_tune_rejects_bad_shapes():
         kernels.tune([(3, 17)], device=DEVICE)
     with pytest.raises(ValueError, match="shapes"):
         kernels.tune([(0, 17, 5)], device=DEVICE)
+
+
+@pytest.mark.parametrize("static_weight", [False, True])
+def test_static_weight_reaches_the_launch_as_a_weight_prefetch(monkeypatch, static_weight):
+    # Where programmatic dependent launch is supported (sm_90+), every Triton kernel is launched
+    # with it, and static_weight=True lets the weight-streaming kernel read W before its wait.
+    # Faked here so the wiring is checked on any machine; the launch itself runs as usual.
+    from kernels import selection
+
+    seen = []
+    real = small_m.launch
+
+    def spy(*args, pdl, prefetch_weight, **kw):
+        seen.append((pdl, prefetch_weight))
+        return real(*args, pdl=False, prefetch_weight=prefetch_weight, **kw)
+
+    monkeypatch.setattr(selection, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(small_m, "launch", spy)
+    x, w, b = make(3, 17, 33, torch.float32)
+    assert_matches(fused_linear(x, w, b, "relu", static_weight=static_weight), x, w, b, "relu")
+    assert seen and all(s == (True, static_weight) for s in seen), seen
