@@ -67,7 +67,7 @@ for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
         tests) stage tests 420 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header -p no:cacheprovider ;;
-        tests-quick) stage tests-quick 200 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
+        tests-quick) stage tests-quick 330 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
             -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 150 python3 bench/model.py --quick --out "$out" ;;

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import shutil
@@ -256,6 +257,13 @@ async def _breakdown(device: str, body: bytes, reps: int) -> dict:
     return {"asgi_total": asgi, **stages}
 
 
+def _gpu_name(device: str) -> str | None:
+    """The GPU's name (breakdown() has run a model on it in this process already)."""
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else None
+
+
 def breakdown(device: str, body: bytes, client_p50_ms: float | None, reps: int) -> dict:
     """Median microseconds of each stage of one digits request on an idle server, in this process.
 
@@ -412,7 +420,9 @@ def _run(args, work: Path, clients: list[int], duration: float, reps: int, host:
     targets = evaluate(results)
     for t in targets:
         print(f"{'MET ' if t['met'] else 'MISS'} {t['target']}: {t['value']} {t['unit']}")
-    report = {"host": host, "device": served["digits"]["device"], "models": {m: served[m] for m in args.models},
+    report = {"host": host, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "gpu": _gpu_name(args.device),
+              "device": served["digits"]["device"], "models": {m: served[m] for m in args.models},
               "rows_per_request": args.rows, "duration_s": duration, "reps": reps,
               "max_batch_size": args.max_batch_size, "max_delay_ms": args.max_delay_ms,
               "cpu_count": os.cpu_count(), "wall_s": round(time.monotonic() - started, 1),

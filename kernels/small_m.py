@@ -35,7 +35,8 @@ def block_m(M):
 # peels the first step off the loop and holds its tile apart.
 _SMEM_BUDGET = 200 * 1024
 
-# Tiles measured on the H200 (bf16, N=K=4096 and 1024, M=1..64, 2026-12-02): with X^T only
+# Tiles measured on the H200 (bf16, N=K=4096 and 1024, M=1..64, 2026-12-02, bench/small_m_sweep.py
+# and its results in bench/results/small_m_sweep_h200.jsonl): with X^T only
 # 16..64 wide, 64-row W tiles won at every M from 4 to 64 (narrower ones double the X^T traffic
 # through shared memory for the same W bytes), 256-deep with 3 stages or 128-deep with 5, split
 # 1 or 2 ways. (BLOCK_N, BLOCK_K, num_stages). fp32 runs on FMAs (or TF32): only tiles that keep the

@@ -226,14 +226,14 @@ def test_graph_timer_times_replays_of_rotating_calls():
     assert min(ms) > 32 * 2**20 / 5e12 * 1e3, f"per-call ms {ms} faster than HBM allows (warm L2?)"
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 48, 200])
+@pytest.mark.parametrize("M", [1, 3, 48, 200])
 @pytest.mark.parametrize("static_weight", [False, True], ids=["", "static_weight"])
 def test_dependent_layers_in_a_cuda_graph(M, static_weight):
     # Three layers back to back in one CUDA graph: on sm_90 each is a programmatic dependent launch
     # that may start before the previous one ends, so a layer that read its input before waiting
     # would see stale (here: NaN-poisoned, then the previous replay's) values. Awkward widths, and
     # M from the GEMV variant to the tiled kernels; the graph is replayed on new inputs.
-    widths = (4096, 1000, 4096, 520)
+    widths = (1536, 1000, 2048, 520)
     g = torch.Generator(device="cuda").manual_seed(M)
     ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
           for k, n in zip(widths, widths[1:])]
