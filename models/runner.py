@@ -117,7 +117,7 @@ class ModelRunner:
         self._pending = PendingEvents()
         self._batches: dict[int, int] = {}  # batches run per bucket
         self._last_timed: dict[int, tuple[int, float]] = {}  # bucket -> (batch number, monotonic time)
-        self._kernels: dict[tuple[str, int, int], tuple[str, str]] = {}
+        self._fields: dict[tuple[str, int, int], dict] = {}  # (path, layer, bucket) -> LayerTiming fields
 
     # -- public API --------------------------------------------------------------------------
 
@@ -365,34 +365,36 @@ class ModelRunner:
         return graph, out
 
     def _timing(self, path: str, layer_index: int, rows: int, bucket: int, seconds: float) -> LayerTiming:
-        kernel, config = self._kernel(path, layer_index, bucket)
-        layer = self.model.layers[layer_index]
-        return LayerTiming(model=self.name, layer=f"layers.{layer_index}", rows=rows, M=bucket,
-                           N=layer.out_features, K=layer.in_features,
-                           dtype=str(self.dtype).removeprefix("torch."), backend=self.backend,
-                           kernel=kernel, config=config, seconds=seconds)
+        return LayerTiming(rows=rows, seconds=seconds, **self._timing_fields(path, layer_index, bucket))
 
-    def _kernel(self, path: str, layer_index: int, bucket: int) -> tuple[str, str]:
+    def _timing_fields(self, path: str, layer_index: int, bucket: int) -> dict:
+        """What every timing of this layer at this bucket shares: its shape, dtype and the kernel and
+        config that run it. Built once (timings are recorded per batch on the CPU); before its
+        bucket is tuned a Triton layer's config reads "", and is asked for again next time."""
         key = (path, layer_index, bucket)
-        if key in self._kernels:
-            return self._kernels[key]
+        fields = self._fields.get(key)
+        if fields is not None:
+            return fields
         layer = self.model.layers[layer_index]
         if path == "fused":
             from kernels import fused_mlp
 
             config = fused_mlp.fused_mlp_config(bucket, layer.out_features, self.dtype,
                                                 fused_mlp.sm_count(self.device))
-            choice = (fused_mlp.NAME, fused_mlp.config_str(config))
+            kernel, config = fused_mlp.NAME, fused_mlp.config_str(config)
         elif self.backend == "torch":
-            choice = ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")
+            kernel, config = ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")
         else:
             import kernels
 
-            choice = kernels.kernel_choice(bucket, layer.out_features, layer.in_features, self.dtype,
-                                           self.device, static_weight=True)
-        if choice[1] or self.backend == "torch":  # "" = not tuned yet: ask again next time
-            self._kernels[key] = choice
-        return choice
+            kernel, config = kernels.kernel_choice(bucket, layer.out_features, layer.in_features, self.dtype,
+                                                   self.device, static_weight=True)
+        fields = dict(model=self.name, layer=f"layers.{layer_index}", M=bucket, N=layer.out_features,
+                      K=layer.in_features, dtype=str(self.dtype).removeprefix("torch."), backend=self.backend,
+                      kernel=kernel, config=config)
+        if config or self.backend == "torch":
+            self._fields[key] = fields
+        return fields
 
     def _emit(self, timings: list[LayerTiming]) -> None:
         if self.timing_sink is not None:
