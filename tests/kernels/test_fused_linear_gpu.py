@@ -263,3 +263,28 @@ def test_dependent_layers_in_a_cuda_graph(M, static_weight):
         # Three bf16 layers: a few bf16 roundings of the largest value (torch rounds each layer too).
         err = (out.float() - ref).abs().max().item()
         assert err <= 0.05 * ref.abs().max().item(), f"M={M} replay {seed}: max error {err}"
+
+
+def test_split_k_first_launched_inside_a_graph_capture_runs_unsplit(monkeypatch):
+    # The split-K tile counters are made by the first eager split-K launch; a capture cannot make
+    # them (their zeroing would happen only at replay), so a split config first met inside a
+    # capture runs unsplit, with the same answers.
+    monkeypatch.setattr(small_m, "_locks", {})
+    x, w, b = make(3, 200, 1024, torch.float16)
+    config = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3)
+    out = torch.full((3, 200), float("nan"), device="cuda", dtype=torch.float16)
+
+    def run(cfg=config):
+        small_m.launch(x, w, b, "relu", out, cfg, input_precision="tf32", upcast_bf16=False)
+
+    run(dict(config, SPLIT_K=1))  # compile both variants outside the capture
+    run()
+    monkeypatch.setattr(small_m, "_locks", {})  # as if no eager split-K launch had happened
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    assert small_m._locks == {}, "a capture must not make the tile counters"
+    out.fill_(float("nan"))
+    graph.replay()
+    check(out, x, w, b, "relu", "split-K config first launched in a capture")
