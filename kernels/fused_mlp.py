@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.activations import ACTIVATIONS, apply_activation
+from kernels.common import dot_acc, launch_dependents_then_wait, pdl_supported
 
 NAME = "triton_fused_mlp"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -145,15 +146,6 @@ def _input_tile(src_ptr, shift_ptr, scale_ptr, rows, k0, K, stride_src, row_ok, 
 
 
 @triton.jit
-def _dot(acc, a, w, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
-    # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
-    if UPCAST_BF16:
-        a = a.to(tl.float32)
-        w = w.to(tl.float32)
-    return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
 def _fused_mlp_layer_kernel(
     # pointers: this layer's input [M, K] (raw fp32 for layer 0), W [N, K], b [N], output [M, N];
     # the normalization [K] fp32 (read by layer 0 only)
@@ -180,28 +172,21 @@ def _fused_mlp_layer_kernel(
         # that). Then let the next layer start launching, and wait for the previous layer (and
         # every kernel before it: each waited here) to finish writing src before reading it.
         w = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K) < K)[:, None] & col_ok[None, :], other=0.0)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        launch_dependents_then_wait()
         a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, 0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
                         w_ptr.dtype.element_ty)
-        acc = _dot(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+        acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
         k_first = BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
         a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, k0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
                         w_ptr.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=(k0 + tl.arange(0, BLOCK_K) < K)[:, None] & col_ok[None, :], other=0.0)
-        acc = _dot(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+        acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
     # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
     bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = apply_activation(acc + bias[None, :], ACTIVATION)
     tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_dst + cols[None, :],
              acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-def pdl_supported(device) -> bool:
-    """Programmatic dependent launch (``griddepcontrol``) needs compute capability 9.0 or later."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch.Tensor,

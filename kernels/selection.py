@@ -11,6 +11,7 @@ import torch
 
 from kernels import autotune_cache, dispatch, small_m, tiled, tma_persistent
 from kernels.arguments import interpreting
+from kernels.common import pdl_supported
 
 LAUNCHERS = {m.NAME: m for m in (tiled, small_m, tma_persistent)}
 
@@ -67,15 +68,6 @@ def cached_choice(kernels, M, N, K, dtype, device, static_weight=False):
         return None
     entry = _tune_cache(torch.cuda.get_device_name(device)).get(_tune_key(kernels, M, N, K, dtype, static_weight))
     return None if entry is None else (entry["kernel"], entry["config"])
-
-
-def pdl_supported(device):
-    """Programmatic dependent launch (``griddepcontrol``): compute capability 9.0 or later. The
-    Triton kernels are launched that way wherever it is supported: each lets the next kernel on
-    the stream start launching at once and waits for the previous one to finish before reading
-    its inputs, so back-to-back layers do not pay a launch gap."""
-    cap = capability(device)
-    return cap is not None and cap[0] >= 9
 
 
 def _launch_kw(x2d, static_weight):

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.activations import apply_activation
+from kernels.common import dot_acc, launch_dependents_then_wait
 
 NAME = "triton_small_m"
 
@@ -141,24 +142,21 @@ def _small_m_kernel(
         k_in = (offs_k < K) & (kb_start < kb_stop)
         w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+            launch_dependents_then_wait()
         x = tl.load(x_ptrs, mask=k_in[:, None], other=0.0)
-        acc = _mma_step(acc, w, x, INPUT_PRECISION, UPCAST_BF16)
+        acc = dot_acc(acc, w, x, INPUT_PRECISION, UPCAST_BF16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         kb_first += 1
     elif USE_PDL:
-        # Let the next kernel start launching; read nothing the previous one may write before it ends.
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        launch_dependents_then_wait()
 
     # Main loop: acc = W_tile @ X_tile^T in fp32.
     for kb in range(kb_first, kb_stop):
         k_in = tl.arange(0, BLOCK_K) < K - kb * BLOCK_K
         w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=k_in[:, None], other=0.0)
-        acc = _mma_step(acc, w, x, INPUT_PRECISION, UPCAST_BF16)
+        acc = dot_acc(acc, w, x, INPUT_PRECISION, UPCAST_BF16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
@@ -166,16 +164,6 @@ def _small_m_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output rows (m), along acc's columns
     _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym,
             pid_m * tl.num_programs(0) + pid_n, pid_k, HAS_BIAS, ACTIVATION, SPLIT_K)
-
-
-@triton.jit
-def _mma_step(acc, w, x, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
-    """acc += W_tile @ X_tile^T on the tensor cores (fp32 tiles under the interpreter, whose bf16
-    tl.dot is wrong)."""
-    if UPCAST_BF16:
-        w = w.to(tl.float32)
-        x = x.to(tl.float32)
-    return tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
@@ -221,8 +209,7 @@ def _gemv_kernel(
         k_in = (k < K) & (kb_start < kb_stop)
         w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0).to(tl.float32)
         if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+            launch_dependents_then_wait()
         if BLOCK_M == 1:
             wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
         else:
@@ -230,8 +217,7 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         kb_first += 1
     elif USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        launch_dependents_then_wait()
 
     for kb in tl.range(kb_first, kb_stop, num_stages=STAGES):
         k = kb * BLOCK_K + offs_k

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.activations import apply_activation
+from kernels.common import dot_acc, launch_dependents_then_wait
 
 NAME = "triton_tiled"
 
@@ -62,13 +63,10 @@ def _tiled_linear_kernel(
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32", only meaningful for fp32 inputs
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
 ):
     if USE_PDL:
-        # Let the next kernel start launching; read nothing the previous one may write before it ends.
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        launch_dependents_then_wait()
     # Grouped tile order: GROUP_M tile rows are swept column by column, reusing W tiles in L2.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -94,10 +92,7 @@ def _tiled_linear_kernel(
         k_left = K - k * BLOCK_K
         x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if UPCAST_BF16:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+        acc = dot_acc(acc, x, w, INPUT_PRECISION, UPCAST_BF16)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 

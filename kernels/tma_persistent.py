@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.activations import apply_activation
+from kernels.common import launch_dependents_then_wait
 
 NAME = "triton_tma_persistent"
 
@@ -58,13 +59,10 @@ def _tma_persistent_kernel(
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_STORE: tl.constexpr,  # store the tile as two [BLOCK_M, BLOCK_N // 2] halves
-
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
 ):
     if USE_PDL:
-        # Let the next kernel start launching; read nothing the previous one may write before it ends.
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        launch_dependents_then_wait()
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)

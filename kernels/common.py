@@ -1,0 +1,35 @@
+"""Pieces every Triton kernel family here shares: programmatic dependent launch (PDL) and the
+tensor-core step."""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.arguments import interpreting
+
+
+def pdl_supported(device) -> bool:
+    """Whether kernels on ``device`` can be programmatic dependent launches (``griddepcontrol``):
+    CUDA compute capability 9.0 or later, outside the interpreter. The Triton kernels are launched
+    that way wherever it is supported, so back-to-back layers do not pay a launch gap."""
+    device = torch.device(device)
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def launch_dependents_then_wait():
+    """In a programmatic dependent launch: let the next kernel on the stream start launching now,
+    then wait until the previous one has finished (its writes visible) before reading anything it
+    may have written. Every kernel before it waited the same way, so all earlier work is done."""
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def dot_acc(acc, a, b, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
+    """``acc + a @ b`` on the tensor cores (fp32 tiles under the interpreter, whose bf16 tl.dot is
+    wrong while its fp32 one is right)."""
+    if UPCAST_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
