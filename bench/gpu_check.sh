@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One pass over everything that needs the GPU: GPU tests, kernel and model benchmarks, and an
 # end-to-end server check. Run on the GPU host from the repository root:
-#   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick e2e model kernels kernels-full load sweep profile
+#   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick e2e model kernels kernels-full load
+#                                         sweep mlp-sweep profile
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
 # so one hang cannot eat the whole run.
@@ -74,8 +75,10 @@ for s in "${stages[@]}"; do
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --out "$out" ;;
         load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
-        profile) stage profile 240 python3 bench/profile_model.py --out "$out" --model digits --batch 8 ;;
+        profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
+            python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;
+        mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_h200.jsonl" ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
-        *) echo "unknown stage: $s (env tests tests-quick e2e model kernels kernels-full load sweep profile)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (env tests tests-quick e2e model kernels kernels-full load sweep mlp-sweep profile)" | tee -a "$log" ;;
     esac
 done
