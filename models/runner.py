@@ -52,14 +52,16 @@ class ModelRunner:
     - CUDA, eager: CUDA events around each layer, kept pending and resolved once the GPU has passed
       them: at the next ``run``, or whenever ``collect_timings()`` is called (a non-blocking sweep
       a stats reader can trigger). Nothing synchronizes just for timing.
-    - CUDA graphs: a replay hides individual kernels, so timings are sampled: the first batch of each
-      bucket runs layer by layer with events instead of the graph (the same kernels and configs,
-      without the graph's saved launch overhead, which events do not measure anyway), then the next
-      batch of that bucket that is at least ``timing_sample_every`` batches and
-      ``timing_min_interval_s`` seconds after the last timed one. A timed batch pays eager Python
-      launches where the others replay a graph; the interval bounds how often, however fast batches
-      come. ``bench/model.py`` measures the cost (digits, batch 8, on the H200: 0.66% of ``run()``
-      in one run, ~9% in two later ones, not yet explained; it now also prices one timed batch).
+    - CUDA graphs: a replay hides individual kernels, so timings are sampled. Each bucket has a
+      second graph, captured with the first: the same launches with a CUDA event recorded between
+      layers (external event nodes). The first batch of each bucket replays that timed graph, then
+      the next batch of that bucket that is at least ``timing_sample_every`` batches and
+      ``timing_min_interval_s`` seconds after the last timed one. The event nodes split the layers
+      apart (no layer overlaps the next there), so a timed batch costs about one replay more than
+      an untimed one, not eager launches. Where the timed graph cannot be captured (a torch
+      without external events) timed batches run layer by layer eagerly with events, which costs
+      ~0.5-1 ms of Python per batch on the H200 host: the interval bounds how often.
+      ``bench/model.py`` measures the cost with the sink on and off.
     On the "layers" path the input normalization is not part of any layer's time; on the "fused"
     path it is part of layer 0's. ``flush_timings()`` waits for every pending timing.
     """
@@ -112,6 +114,9 @@ class ModelRunner:
             self._host_in = torch.empty(max_batch_size, self.in_features, pin_memory=True)
             self._host_out = torch.empty(max_batch_size, self.out_features, pin_memory=True)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, output, events): the chosen path with an event before each layer and
+        # one after the last, for sampled timings (see the class docstring).
+        self._timed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
         self._pool = None
         self._paths: dict[int, str] = {}
         self.path_seconds: dict[int, dict[str, float]] = {}  # bucket -> {path: seconds per call}
@@ -147,17 +152,24 @@ class ModelRunner:
             self._host_in[:rows].copy_(x)
             self._input[:rows].copy_(self._host_in[:rows], non_blocking=True)
         timed = self.timing_sink is not None and self._timing_due(bucket)
-        captured = None if timed else self._graphs.get(bucket)
-        if captured is not None:
-            captured[0].replay()
-            out = captured[1]
-        else:
+        marks = None
+        if timed and bucket in self._timed_graphs:
+            graph, out, marks = self._timed_graphs[bucket]
+            graph.replay()
+        elif not timed and bucket in self._graphs:
+            graph, out = self._graphs[bucket]
+            graph.replay()
+        else:  # eager launches, each layer timed with events when ``timed``
             with torch.no_grad():
                 out = self._forward(bucket, rows if timed else None, self._paths[bucket])
         if self._host_out is None:
             return out[:rows].float().cpu()
         self._host_out[:rows].copy_(out[:rows].float(), non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
+        if marks is not None:  # the replay is done: its events read without waiting
+            path = self._paths[bucket]
+            self._emit([self._timing(path, i, rows, bucket, marks[i].elapsed_time(marks[i + 1]) / 1e3)
+                        for i in range(len(marks) - 1)])  # elapsed_time is in ms
         return self._host_out[:rows].clone()  # the staging buffer is the next batch's
 
     def path(self, bucket: int) -> str | None:
@@ -165,6 +177,15 @@ class ModelRunner:
         if bucket not in self.buckets:
             raise ValueError(f"bucket must be one of {self.buckets}, got {bucket!r}")
         return self._paths.get(bucket)
+
+    @property
+    def timing_method(self) -> str:
+        """How timed batches run: "perf_counter" (CPU), "events" (eager launches with CUDA events),
+        or "timed_graph" (a replay of the bucket's graph with events between layers; buckets whose
+        timed graph could not be captured fall back to "events")."""
+        if self.device.type != "cuda":
+            return "perf_counter"
+        return "timed_graph" if self._timed_graphs else "events"
 
     @property
     def input_buffer(self) -> torch.Tensor:
@@ -237,20 +258,27 @@ class ModelRunner:
         self._last_timed[bucket] = (count, now)
         return True
 
-    def _forward(self, bucket: int, rows: int | None, path: str) -> torch.Tensor:
-        """The model on the first ``bucket`` input rows by ``path``; each launch timed when ``rows`` is set."""
+    def _forward(self, bucket: int, rows: int | None, path: str, marks: list | None = None) -> torch.Tensor:
+        """The model on the first ``bucket`` input rows by ``path``; each launch timed when ``rows``
+        is set; ``marks`` (events, one more than layers): recorded before each layer and after the last."""
         x = self._input[:bucket]  # [bucket, in], raw float32
         if path == "fused":
             from kernels.fused_mlp import fused_mlp_layer
 
             model, packed, h = self.model, self._packed, x
             for i in range(packed.num_layers):  # [bucket, in] -> [bucket, hidden[i]] ... -> [bucket, out]
+                if marks is not None:
+                    marks[i].record()
                 h = self._launch(path, i, bucket, rows, lambda i=i, h=h: fused_mlp_layer(
                     h, packed, i, model.input_shift, model.input_scale))
-            return h
-        h = self.model.normalize(x)  # [bucket, in], model dtype
-        for i, layer in enumerate(self.model.layers):
-            h = self._launch(path, i, bucket, rows, lambda layer=layer, h=h: self._layer(layer, h))
+        else:
+            h = self.model.normalize(x)  # [bucket, in], model dtype
+            for i, layer in enumerate(self.model.layers):
+                if marks is not None:
+                    marks[i].record()
+                h = self._launch(path, i, bucket, rows, lambda layer=layer, h=h: self._layer(layer, h))
+        if marks is not None:
+            marks[-1].record()
         return h  # [bucket, out]
 
     def _layer(self, layer, h: torch.Tensor) -> torch.Tensor:
@@ -323,6 +351,9 @@ class ModelRunner:
         self._paths[bucket] = chosen
         if chosen in graphs:
             self._graphs[bucket] = graphs[chosen]
+            timed = self._capture_timed(bucket, chosen)
+            if timed is not None:
+                self._timed_graphs[bucket] = timed
 
     def _time_path(self, bucket: int, path: str, captured) -> float:
         """Seconds per call of ``path`` at ``bucket`` (graph replays when captured), best of a few rounds."""
@@ -360,10 +391,33 @@ class ModelRunner:
                         "from now on", self.name, bucket, path, exc_info=True)
             self.cuda_graphs = False
             self._graphs.clear()
+            self._timed_graphs.clear()
             # A broken device (not just a refused capture) must surface here, not in a later batch.
             torch.cuda.synchronize(self.device)
             return None
         return graph, out
+
+    def _capture_timed(self, bucket: int, path: str):
+        """``(graph, output, events)``: ``path`` at ``bucket`` with an external CUDA event before each
+        layer and after the last; None (timed batches then launch eagerly) where that cannot be
+        captured: torch < 2.8 has no external events."""
+        try:
+            marks = [torch.cuda.Event(enable_timing=True, external=True)
+                     for _ in range(len(self.model.layers) + 1)]
+        except TypeError:
+            log.info("this torch cannot record CUDA events inside a graph; timed batches of %r run "
+                     "eagerly", self.name)
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._forward(bucket, None, path, marks)
+        except Exception:
+            log.warning("the timed CUDA graph of %r at M=%d could not be captured; its timed batches run "
+                        "eagerly", self.name, bucket, exc_info=True)
+            torch.cuda.synchronize(self.device)
+            return None
+        return graph, out, marks
 
     def _timing(self, path: str, layer_index: int, rows: int, bucket: int, seconds: float) -> LayerTiming:
         return LayerTiming(rows=rows, seconds=seconds, **self._timing_fields(path, layer_index, bucket))

@@ -14,9 +14,10 @@ router = APIRouter(prefix="/kernel-stats", tags=["stats"])
 def _timing_policy(runner) -> dict:
     """How the runner times layers, so a reader knows whether ``calls`` counts every batch."""
     if not runner.cuda_graphs:
-        return {"sampled": False, "every_batch": True}
-    # Graph replays hide single kernels: only some batches run layer by layer with CUDA events.
-    return {"sampled": True, "every_batch": False, "sample_every": runner.timing_sample_every,
+        return {"sampled": False, "every_batch": True, "method": runner.timing_method}
+    # Graph replays hide single kernels: only some batches are timed layer by layer.
+    return {"sampled": True, "every_batch": False, "method": runner.timing_method,
+            "sample_every": runner.timing_sample_every,
             "min_interval_s": runner.timing_min_interval_s,
             "rule": "first batch of each bucket, then at most one batch in sample_every per bucket, "
                     "and at most one per min_interval_s"}

@@ -59,8 +59,9 @@ def test_first_batch_and_every_nth_are_timed_and_collected_without_a_later_batch
     runner.warmup()
     assert sink.timings == [], "warm-up must not record timings"
     runner.run(torch.randn(3, IN))
-    torch.cuda.synchronize()  # the GPU is past the events; only a collection is missing
-    assert runner.collect_timings() == 2, "the first batch of a bucket must be timed, one timing per layer"
+    torch.cuda.synchronize()  # the GPU is past the events; only a collection is missing (eager)
+    runner.collect_timings()  # (a timed graph's timings are read as its batch ends)
+    assert len(sink.timings) == 2, "the first batch of a bucket must be timed, one timing per layer"
     for _ in range(7):
         runner.run(torch.randn(3, IN))
     runner.flush_timings()
@@ -71,6 +72,28 @@ def test_first_batch_and_every_nth_are_timed_and_collected_without_a_later_batch
         assert (t.rows, t.M, t.backend, t.kernel) == (3, 4, "triton", "triton_fused_mlp"), t
         assert t.config and 0 < t.seconds < 0.1, t
     assert [(t.layer, t.N, t.K) for t in sink.timings[:2]] == [("layers.0", HIDDEN, IN), ("layers.1", OUT, HIDDEN)]
+
+
+@pytest.mark.parametrize("fused, max_batch, rows_list", [(True, FUSED_MAX_BATCH, (1, 3, 5)), (False, 1, (1,))])
+def test_timed_batches_replay_a_graph_with_events_and_match_untimed_ones(fused, max_batch, rows_list):
+    model = make_model("triton")
+    sink = ListSink()
+    timed = ModelRunner(model, max_batch_size=max_batch, timing_sink=sink, timing_sample_every=1,
+                        timing_min_interval_s=0, fused=fused)
+    plain = ModelRunner(model, max_batch_size=max_batch, fused=fused)
+    timed.warmup()
+    plain.warmup()
+    assert sorted(timed._timed_graphs) == timed.buckets, "no timed graph: see the logged warning"
+    torch.manual_seed(2)
+    for rows in rows_list:
+        x = torch.randn(rows, IN)
+        # The same kernels and configs with event nodes between them: bitwise equal outputs.
+        torch.testing.assert_close(timed.run(x), plain.run(x), rtol=0, atol=0,
+                                   msg=lambda m, rows=rows: f"fused={fused} rows={rows}: {m}")
+    assert timed.pending_timings() == 0, "a timed graph's events are read when its batch ends"
+    assert [(t.rows, t.layer) for t in sink.timings] == [(r, f"layers.{i}") for r in rows_list for i in (0, 1)]
+    for t in sink.timings:
+        assert 0 < t.seconds < 0.01, t  # two tiny layers: microseconds, not nothing, not a stall
 
 
 def test_min_interval_caps_how_often_graph_batches_are_timed():

@@ -118,7 +118,8 @@ async def test_kernel_stats_count_layers_and_reset(client):
     assert stats["models"]["wide"]["queue_wait"]["count"] == 3
     assert stats["served"]["wide"] == {"in_features": 5, "out_features": 4, "dtype": "float32",
                                        "backend": "torch", "device": "cpu",
-                                       "layer_timings": {"sampled": False, "every_batch": True}}
+                                       "layer_timings": {"sampled": False, "every_batch": True,
+                                                         "method": "perf_counter"}}
     assert (await client.post("/kernel-stats/reset")).json() == {"reset": True}
     assert (await client.get("/kernel-stats")).json()["layers"] == []
 

@@ -48,6 +48,7 @@ def test_shipped_digits_on_cuda_real_server(tmp_path):
                       f"mean={s['mean_s'] * 1e6:.1f} us {s['tflops']:.2f} TFLOP/s {s['gbps']:.1f} GB/s")
             served = stats["served"]["digits"]
             assert served["device"].startswith("cuda") and served["backend"] == "triton", served
+            assert served["layer_timings"]["method"] == "timed_graph", served  # not eager launches
             # The first batch of each bucket is timed, and a stats read collects finished events.
             assert stats["layers"], f"no layer timings after {len(outputs)} rows: {stats}"
     finally:
