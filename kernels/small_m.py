@@ -47,13 +47,31 @@ _FP32_TILES = ((32, 256, 4), (32, 128, 6))
 # The GEMV variant (no tensor cores) for a handful of rows: the MMA would pad M to 16 and waste 15/16
 # of its work, and fp32 gets exact products without TF32. Up to GEMV_MAX_M rows it can run; it is a
 # tuning candidate up to _GEMV_TUNE_M rows (fp32 up to 16: there the tensor-core variant is IEEE
-# FMA code as well). (BLOCK_N, BLOCK_K, num_warps, num_stages): one row of X streams best with
-# many small programs each reading 16 KB tiles (8 x 1024 bf16: 9.9 us at N=K=4096 against
-# 10.5 us for 16 x 512 on the H200, with the weight prefetch).
+# FMA code as well; 16-bit up to 8: at 16 rows its FMAs take as long as streaming W).
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): one row of X streams best with many small programs
+# each reading 16 KB tiles (8 x 1024 bf16: 9.9 us at N=K=4096 against 10.5 us for 16 x 512 on the
+# H200, with the weight prefetch).
 GEMV_MAX_M = 16
-_GEMV_TUNE_M = {torch.float32: 16, torch.float16: 4, torch.bfloat16: 4}
+_GEMV_TUNE_M = {torch.float32: 16, torch.float16: 8, torch.bfloat16: 8}
 _GEMV_TILES = ((8, 1024, 4, 2), (16, 512, 4, 3), (16, 1024, 8, 2), (4, 1024, 4, 3))
 _FP32_GEMV_TILES = ((8, 512, 4, 2), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 8, 3))
+# Several rows keep a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator in registers: tiles of this many
+# elements, 64 registers a thread at 8 warps; (BLOCK_K, num_stages) to try, BLOCK_N from the rest.
+_GEMV_ROWS_ELEMENTS = 16384
+_GEMV_ROWS_DEPTHS = ((256, 4), (512, 3), (1024, 2))
+
+
+def _gemv_tiles(M, dtype):
+    """GEMV tiles (BLOCK_N, BLOCK_K, num_warps, num_stages) for M rows."""
+    if M == 1:
+        return _FP32_GEMV_TILES if dtype == torch.float32 else _GEMV_TILES
+    bm = triton.next_power_of_2(M)
+    tiles = []
+    for block_k, stages in _GEMV_ROWS_DEPTHS:
+        block_n = _GEMV_ROWS_ELEMENTS // (bm * block_k)
+        if 2 <= block_n <= 32:
+            tiles.append((block_n, block_k, 8, stages))
+    return tiles
 # Split K only while the grid stays within about 4 programs per SM of an H200 (132 SMs).
 _MAX_PROGRAMS = 4 * 132
 
@@ -77,7 +95,7 @@ def candidates(M, N, K, dtype):
     itemsize = 4 if dtype == torch.float32 else 2
     configs = []
     if M <= _GEMV_TUNE_M[dtype]:
-        for block_n, block_k, warps, stages in _FP32_GEMV_TILES if dtype == torch.float32 else _GEMV_TILES:
+        for block_n, block_k, warps, stages in _gemv_tiles(M, dtype):
             for s in _splits(triton.cdiv(N, block_n), triton.cdiv(K, block_k), ways=(1, 2)):
                 configs.append(dict(GEMV=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s,
                                     num_warps=warps, num_stages=stages))
@@ -198,10 +216,12 @@ def _gemv_kernel(
     rows = tl.arange(0, BLOCK_M)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb_start * BLOCK_K + offs_k)[None, :]
 
-    # acc [BLOCK_N, BLOCK_M]; for one row, an elementwise [BLOCK_N, BLOCK_K] accumulator reduced
-    # across K once at the end.
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # Elementwise accumulators, reduced across K once at the end (no reduction per K step): for one
+    # row [BLOCK_N, BLOCK_K]; for several [BLOCK_M, BLOCK_N, BLOCK_K] (rows past M repeat row M-1
+    # and are never stored).
+    x_rows = tl.minimum(rows, M - 1).to(tl.int64) * stride_xm
     wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    wide3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     kb_first = kb_start
     if PREFETCH_W:
         # As in _small_m_kernel: the first W tile is read before waiting on the previous kernel.
@@ -213,7 +233,8 @@ def _gemv_kernel(
         if BLOCK_M == 1:
             wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
         else:
-            acc = _gemv_rows(acc, w, x_ptr, k, k_in, rows, M, stride_xm, BLOCK_M)
+            x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=k_in[None, :], other=0.0)
+            wide3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
         w_ptrs += BLOCK_K
         kb_first += 1
     elif USE_PDL:
@@ -226,24 +247,17 @@ def _gemv_kernel(
         if BLOCK_M == 1:
             wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
         else:
-            acc = _gemv_rows(acc, w, x_ptr, k, k_in, rows, M, stride_xm, BLOCK_M)
+            x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=k_in[None, :], other=0.0)
+            wide3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
         w_ptrs += BLOCK_K
     if BLOCK_M == 1:
-        acc = tl.sum(wide, axis=1)[:, None]
+        acc = tl.sum(wide, axis=1)[:, None]  # [BLOCK_N, 1]
+    else:
+        acc = tl.trans(tl.sum(wide3, axis=2))  # [BLOCK_N, BLOCK_M]
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, pid_n, pid_k,
             HAS_BIAS, ACTIVATION, SPLIT_K)
-
-
-@triton.jit
-def _gemv_rows(acc, w, x_ptr, k, k_in, rows, M, stride_xm, BLOCK_M: tl.constexpr):
-    """acc[:, m] += W_tile @ x[m, k] for each row m (rows past M repeat row M-1, never stored)."""
-    for m in tl.static_range(BLOCK_M):
-        x = tl.load(x_ptr + tl.minimum(m, M - 1) * stride_xm + k, mask=k_in, other=0.0)
-        dot_m = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-        acc = tl.where(rows[None, :] == m, acc + dot_m[:, None], acc)
-    return acc
 
 
 @triton.jit
