@@ -8,8 +8,9 @@ Run on a CUDA GPU from the repository root (stops starting new configs after --b
 Each line is one timing: {"model", "batch", "layer", "M", "N", "K", "dtype", "cfg", "default", "us"}
 (or "err"): microseconds per launch of that one layer, CUDA events around back-to-back launches
 captured in one CUDA graph (as the runner replays them, programmatic dependent launch included;
-weights stay in L2 as in ``bench/model.py``). "default" marks the config ``fused_mlp_config``
-picks today. Layers with equal (N, K, role) are timed once.
+weights stay in L2 as in ``bench/model.py``). "default" marks ``fused_mlp_config``'s pick; the
+tuner's own candidates (``fused_mlp_candidates``, FMA tiles included) come first, then a wider set of
+tensor-core tiles. Layers with equal (N, K, role) are timed once.
 """
 
 import argparse
@@ -41,7 +42,8 @@ def candidates(M, dtype):
                 if dtype == torch.float32 and bm * bk > 64 * 64:
                     continue  # fp32 input tiles that large spill
                 for warps, stages in ((4, 3), (8, 3)) if M > 16 else ((2, 3), (4, 3), (4, 4), (8, 3)):
-                    tiles.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages))
+                    tiles.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                      FMA=False))
     return tiles
 
 
@@ -82,9 +84,8 @@ def sweep(name, batch, emit, deadline):
         h = (torch.rand(batch, K, device="cuda") * 16 if index == 0
              else torch.rand(batch, K, device="cuda").to(dtype))
         default = fused_mlp.fused_mlp_config(batch, N, dtype, fused_mlp.sm_count("cuda"))
-        tiles = candidates(batch, dtype)
-        if default not in tiles:
-            tiles.insert(0, default)
+        tiles = fused_mlp.fused_mlp_candidates(batch, N, K, dtype, fused_mlp.sm_count("cuda"))
+        tiles += [t for t in candidates(batch, dtype) if t not in tiles]
         for config in tiles:
             if time.monotonic() > deadline:
                 return

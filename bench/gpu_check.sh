@@ -71,7 +71,7 @@ for s in "${stages[@]}"; do
         tests-quick) stage tests-quick 330 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
             -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
-        model) stage model 150 python3 bench/model.py --quick --out "$out" ;;
+        model) stage model 240 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --out "$out" ;;
         load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;

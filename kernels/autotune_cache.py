@@ -10,6 +10,7 @@ Timing (``time_configs``) replays CUDA graphs of back-to-back calls over rotatin
 arguments, so it sees what serving sees: weights read from HBM, no Python launch gaps.
 """
 
+import functools
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 ENV_VAR = "FUSEDSERVE_TUNE_CACHE"
 # Part of the file name: bumped when candidates or the timing method change, so choices made by an
 # older tuner are not reused (their files stay, unread).
-TUNER_VERSION = 3
+TUNER_VERSION = 4
 
 
 def cache_dir():
@@ -37,6 +38,12 @@ def cache_dir():
 def config_str(config):
     """A config dict as the short string shown in kernel stats, e.g. ``BLOCK_M=64,...,num_warps=4``."""
     return ",".join(f"{k}={v}" for k, v in config.items())
+
+
+@functools.cache
+def device_cache(device_name):
+    """The one ``TuneCache`` of this process for a device model (every kernel family shares it)."""
+    return TuneCache(device_name)
 
 
 class TuneCache:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import autotune_cache, dispatch
 from kernels.activations import ACTIVATIONS, apply_activation
 from kernels.common import dot_acc, launch_dependents_then_wait, pdl_supported
 
@@ -86,19 +87,18 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
 
 
 def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict:
-    """Tile sizes for one ``[M, N]`` layer output. Small batches are latency-bound: narrow tiles, so a
-    layer gets many programs (a 256-wide layer at batch 1 gets 16), each streaming a slice of W with
-    a few loads in flight. Larger batches start from 64x64 tiles. Then tiles are halved (N first)
-    until the grid covers ``sms`` SMs (132 on an H200) or they reach 16x16: a layer that fills
-    few SMs waits on few SMs' bandwidth.
+    """The first tile config tried for one ``[M, N]`` layer output, and the one used wherever
+    nothing is timed (the interpreter, an untuned layer inside a graph capture). Small batches are
+    latency-bound: narrow tiles, so a layer gets many programs (a 256-wide layer at batch 1 gets 16),
+    each streaming a slice of W. Larger batches start from 64x64 tiles. Then tiles are halved
+    (N first) until the grid covers ``sms`` SMs (132 on an H200) or they reach 16x16: a layer that
+    fills few SMs waits on few SMs' bandwidth.
     Every tile these give compiles for sm_90 without register spills (tests/kernels/test_fused_mlp.py)."""
     num_stages = 3
     if M <= 16:
-        # Long k-steps and a deep pipeline: a program this small has little else to hide memory
-        # latency with, and a 4096-wide layer needs ~2 MB in flight across the GPU to stream
-        # at HBM speed. 16-bit tiles take twice the k for the same bytes and registers.
-        block_m, block_n, block_k = 16, 16, 128 if dtype == torch.float32 else 256
-        num_stages = 4
+        # 16x16 tiles 128 deep with 4 warps: the fastest or within 3% of it for every hidden
+        # layer timed (bench/fused_mlp_sweep.py on the H200: digits and mlp4x1024 at batch 8).
+        block_m, block_n, block_k = 16, 16, 128
     elif M <= 64:
         block_m, block_n, block_k = 32, 32, 64
     else:  # fp32 dots are FMA loops (TF32 off), 16-bit ones tensor-core steps of 16 in k
@@ -109,10 +109,88 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict
         else:
             block_m //= 2
     # 8 warps for 64x64x64: with 4, the normalizing layer's fp32 input tile spills on sm_90.
-    # (and for 16x16x256, whose fp32 normalized input tile alone is 32 registers a thread with 4).
-    num_warps = 8 if (block_m, block_n, block_k) in ((64, 64, 64), (16, 16, 256)) else 4
+    num_warps = 8 if (block_m, block_n, block_k) == (64, 64, 64) else 4
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps,
-            "num_stages": num_stages}
+            "num_stages": num_stages, "FMA": False}
+
+
+# FMA tiles keep BLOCK_M x BLOCK_K x BLOCK_N fp32 products in registers: this many elements, 64
+# registers a thread at 8 warps.
+_FMA_ELEMENTS = 16384
+
+
+def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 132) -> list[dict]:
+    """Tile configs the first launch at a batch bucket times (``fused_mlp_config`` first). Up to
+    16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep (64 deep for a
+    narrow K, 256 deep with 2 warps for the normalizing layer of a 1024-wide model) and FMA tiles
+    as narrow as the batch; past that, the tiles around the default."""
+    configs = [fused_mlp_config(M, N, dtype, sms)]
+
+    def add(block_m, block_n, block_k, num_warps, fma=False):
+        config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps,
+                  "num_stages": 3, "FMA": fma}
+        if config not in configs:
+            configs.append(config)
+
+    if M <= 16:
+        add(16, 16, 64, 4)
+        add(16, 16, 256, 2)
+        block_m = triton.next_power_of_2(M)
+        for block_n in (16, 8):
+            block_k = max(16, min(512, _FMA_ELEMENTS // (block_m * block_n), triton.next_power_of_2(K)))
+            add(block_m, block_n, block_k, 8 if block_m * block_n * block_k > 4096 else 4, fma=True)
+    elif M <= 64:
+        add(16, 16, 128, 4)
+        add(32, 32, 64, 4)
+    else:
+        deep = 32 if dtype == torch.float32 else 64
+        add(64, 64, deep, 8)
+        add(32, 64, deep, 4)
+    return configs
+
+
+def _tune_key(M: int, packed: PackedMLP, index: int) -> str:
+    # What the compiled kernel and its timing depend on: the batch bucket, the layer's shape, dtype
+    # and fp32 dot precision, and whether it normalizes its input and applies the activation.
+    K, N = packed.widths[index], packed.widths[index + 1]
+    dtype = packed.weights.dtype
+    role = ("normalize+" if index == 0 else "") + (packed.activation if index < packed.num_layers - 1 else "none")
+    precision = "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+    return f"{NAME}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}|{role}|{precision}"
+
+
+def layer_config(M: int, packed: PackedMLP, index: int, device) -> dict:
+    """The config layer ``index`` launches with at ``M`` rows on ``device``: the tuned one once its
+    batch bucket has been timed here, else ``fused_mlp_config``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        tuned = autotune_cache.device_cache(torch.cuda.get_device_name(device)).get(_tune_key(M, packed, index))
+        if tuned is not None:
+            return dict(tuned)
+    return fused_mlp_config(M, packed.widths[index + 1], packed.weights.dtype, sm_count(device))
+
+
+def _tuned_config(h, packed, index, shift, scale, pdl) -> dict:
+    """``layer_config``, timing ``fused_mlp_candidates`` first where this batch bucket is new here
+    (never inside a CUDA-graph capture, where timing would break it: the default runs there)."""
+    M, device = h.shape[0], h.device
+    if device.type != "cuda":
+        return layer_config(M, packed, index, device)
+    cache = autotune_cache.device_cache(torch.cuda.get_device_name(device))
+    key = _tune_key(M, packed, index)
+    tuned = cache.get(key)
+    if tuned is not None:
+        return dict(tuned)
+    K, N = packed.widths[index], packed.widths[index + 1]
+    candidates = fused_mlp_candidates(M, N, K, packed.weights.dtype, sm_count(device))
+    if torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    # Timed as served: back-to-back launches of this layer replayed in a CUDA graph, its weights
+    # left in L2 (a narrow model's weights stay there between batches).
+    _, best = autotune_cache.time_configs(
+        candidates, lambda config: fused_mlp_layer(h, packed, index, shift, scale, config=config, pdl=pdl))
+    cache.put(key, best)
+    return dict(best)
 
 
 def sm_count(device) -> int:
@@ -156,6 +234,8 @@ def _fused_mlp_layer_kernel(
     NORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     UPCAST_BF16: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FMA: tl.constexpr,  # CUDA-core products instead of tl.dot (any BLOCK_M; exact fp32 products)
+    STAGES: tl.constexpr,  # loads in flight in the k loop (cp.async pipeline; FMA loads too)
 ):
     """dst[m, n] = act(norm(src)[m, :] @ W[n, :] + b[n]) for this program's BLOCK_M x BLOCK_N tile."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,6 +245,10 @@ def _fused_mlp_layer_kernel(
     # The [BLOCK_K, BLOCK_N] tiles of W^T, read straight from W [N, K].
     w_ptrs = w_ptr + tl.arange(0, BLOCK_K)[:, None] + cols[None, :].to(tl.int64) * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # FMA: elementwise products summed into [BLOCK_M, BLOCK_K, BLOCK_N], reduced over K once after
+    # the loop. For a few rows tl.dot pads M to 16 (fp32: FMA loops that read operands through
+    # shared memory every k); this does one multiply-add per weight and row, from registers.
+    wide = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
     k_first = 0
     if USE_PDL:
         # The packed weights are written once, when the runner is built, so the first W tile may be
@@ -175,13 +259,21 @@ def _fused_mlp_layer_kernel(
         launch_dependents_then_wait()
         a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, 0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
                         w_ptr.dtype.element_ty)
-        acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+        if FMA:
+            wide += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+        else:
+            acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
         k_first = BLOCK_K
-    for k0 in range(k_first, K, BLOCK_K):
+    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
         a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, k0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
                         w_ptr.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=(k0 + tl.arange(0, BLOCK_K) < K)[:, None] & col_ok[None, :], other=0.0)
-        acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+        if FMA:
+            wide += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+        else:
+            acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+    if FMA:
+        acc = tl.sum(wide, axis=1)
     # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
     bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = apply_activation(acc + bias[None, :], ACTIVATION)
@@ -195,8 +287,9 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
 
     Layer 0 takes the raw float32 input and applies ``(h - shift) * scale`` (float32 ``[K_0]``)
     while loading it; later layers take the previous layer's output and ignore shift/scale.
-    Every layer but the last applies ``packed.activation``. ``config``: tile sizes (default
-    ``fused_mlp_config``). ``pdl``: launch with programmatic dependent launch (None: wherever
+    Every layer but the last applies ``packed.activation``. ``config``: tile sizes (default:
+    ``layer_config``, after timing ``fused_mlp_candidates`` at the first launch of a new batch
+    bucket on a GPU). ``pdl``: launch with programmatic dependent launch (None: wherever
     ``pdl_supported``).
     """
     if not isinstance(h, torch.Tensor):
@@ -224,17 +317,19 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
                                  f"got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{list(getattr(t, 'shape', []))}")
     M = h.shape[0]
-    config = dict(fused_mlp_config(M, N, dtype, sm_count(h.device)) if config is None else config)
+    if pdl is None:
+        pdl = pdl_supported(h.device)
+    elif pdl and not pdl_supported(h.device):
+        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9.0, got {h.device}")
+    config = dict(_tuned_config(h, packed, index, shift, scale, pdl) if config is None else config)
+    config.setdefault("FMA", False)
+    config.setdefault("num_stages", 3)
     interpreting = h.device.type == "cpu"
     out = torch.empty(M, N, device=h.device, dtype=dtype)
     w_offset, b_offset = packed.offsets[index]
     fp32_ieee = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
     normalize = index == 0
-    if pdl is None:
-        pdl = pdl_supported(h.device)
-    elif pdl and not pdl_supported(h.device):
-        raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9.0, got {h.device}")
     if pdl:
         config["launch_pdl"] = True  # a launch option, not a kernel argument
     _fused_mlp_layer_kernel[grid](
@@ -248,6 +343,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
         UPCAST_BF16=interpreting and dtype == torch.bfloat16,
         USE_PDL=pdl,
+        STAGES=config["num_stages"],
         **config,
     )
     return out

@@ -50,11 +50,6 @@ def input_precision(dtype):
     return "tf32"
 
 
-@functools.cache
-def _tune_cache(device_name):
-    return autotune_cache.TuneCache(device_name)
-
-
 def _tune_key(kernels, M, N, K, dtype, static_weight):
     # The candidate set is part of the key: a different set (Gluon missing, say) is tuned afresh.
     # So is the weight prefetch, which changes the kernels' timing and shared memory.
@@ -66,7 +61,7 @@ def cached_choice(kernels, M, N, K, dtype, device, static_weight=False):
     """The tuned ``(kernel, config)`` for this bucket, or None if it has not been tuned here."""
     if interpreting():
         return None
-    entry = _tune_cache(torch.cuda.get_device_name(device)).get(_tune_key(kernels, M, N, K, dtype, static_weight))
+    entry = autotune_cache.device_cache(torch.cuda.get_device_name(device)).get(_tune_key(kernels, M, N, K, dtype, static_weight))
     return None if entry is None else (entry["kernel"], entry["config"])
 
 
@@ -143,7 +138,7 @@ def choose(kernels, x2d, weight, bias, activation, static_weight=False):
         return launch(option[0], option[1], xs, ws, bs, activation, static_weight)
 
     _, best = autotune_cache.time_configs(options, run, timer=autotune_cache.default_timer(len(sets)))
-    _tune_cache(torch.cuda.get_device_name(x2d.device)).put(
+    autotune_cache.device_cache(torch.cuda.get_device_name(x2d.device)).put(
         _tune_key(kernels, M, N, K, x2d.dtype, static_weight), {"kernel": best[0], "config": best[1]})
     return best
 

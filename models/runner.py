@@ -434,8 +434,7 @@ class ModelRunner:
         if path == "fused":
             from kernels import fused_mlp
 
-            config = fused_mlp.fused_mlp_config(bucket, layer.out_features, self.dtype,
-                                                fused_mlp.sm_count(self.device))
+            config = fused_mlp.layer_config(bucket, self._packed, layer_index, self.device)
             kernel, config = fused_mlp.NAME, fused_mlp.config_str(config)
         elif self.backend == "torch":
             kernel, config = ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels.fused_mlp import (
     fused_mlp,
+    fused_mlp_candidates,
     fused_mlp_config,
     fused_mlp_layer,
     pack_mlp,
@@ -65,6 +66,34 @@ def test_fused_mlp_matches_layer_by_layer_on_cpu(widths, rows, dtype, tol):
     if torch.cuda.is_available():
         pytest.skip("the GPU version is test_fused_mlp_matches_layer_by_layer_on_gpu")
     check(widths, rows, dtype, "cpu", tol)
+
+
+def run_with_candidate(x, packed, shift, scale, pick):
+    """The MLP with each layer on ``pick(its candidates)`` instead of the tuned config."""
+    h = x
+    for index in range(packed.num_layers):
+        K, N = packed.widths[index], packed.widths[index + 1]
+        h = fused_mlp_layer(h, packed, index, shift, scale,
+                            config=pick(fused_mlp_candidates(x.shape[0], N, K, packed.weights.dtype)))
+    return h
+
+
+@pytest.mark.parametrize("widths, rows", [((17, 70, 3, 5), 1), ((3, 70, 5), 3), ((100, 9), 16)])
+@pytest.mark.parametrize("dtype, tol", [
+    (torch.float32, 1e-5),  # exact fp32 products on both sides: summation order only
+    (torch.bfloat16, 3e-2),  # one bf16 ulp is 2**-8 relative, rounded at each layer
+])
+def test_every_candidate_tile_matches_the_reference(widths, rows, dtype, tol):
+    # Each config the tuner may pick, FMA tiles (1 to 16 rows, no tensor cores) included.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weights, biases, shift, scale = random_mlp(widths, dtype, device)
+    packed = pack_mlp(weights, biases, "relu")
+    x = (3 * torch.randn(rows, widths[0], generator=torch.Generator().manual_seed(rows))).to(device)
+    want = reference_mlp(x, weights, biases, shift, scale).float()
+    for i in range(len(fused_mlp_candidates(rows, max(widths), max(widths), dtype))):
+        got = run_with_candidate(x, packed, shift, scale, lambda configs, i=i: configs[min(i, len(configs) - 1)])
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol,
+                                   msg=lambda m, i=i: f"candidate {i} widths={widths} rows={rows} {dtype}: {m}")
 
 
 @pytest.mark.gpu
@@ -146,41 +175,46 @@ COMPILE_SM90 = """
 import sys, torch
 from triton.runtime.jit import MockTensor
 from kernels._sm90 import compile_sm90, ptxas_usage
-from kernels.fused_mlp import _fused_mlp_layer_kernel, fused_mlp_config
+from kernels.fused_mlp import _fused_mlp_layer_kernel, fused_mlp_candidates
 
 rows, N, dtype, normalize = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 K = 256  # a hidden width; a multiple of 16, as the launcher's aligned loads assume
+# The default config (the first candidate), or with "fma" the first FMA candidate.
+config = next(c for c in fused_mlp_candidates(rows, N, K, torch_dtype) if c["FMA"] == (sys.argv[5] == "fma"))
 src = MockTensor(torch.float32 if normalize else torch_dtype, [rows, K])  # layer 0 reads raw fp32
 w, b, dst = MockTensor(torch_dtype, [N, K]), MockTensor(torch_dtype, [N]), MockTensor(torch_dtype, [rows, N])
 shift, scale = MockTensor(torch.float32, [K]), MockTensor(torch.float32, [K])
-meta = dict(NORMALIZE=normalize, ACTIVATION="relu", UPCAST_BF16=False, USE_PDL=True,
-            INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **fused_mlp_config(rows, N, torch_dtype))
+meta = dict(NORMALIZE=normalize, ACTIVATION="relu", UPCAST_BF16=False, USE_PDL=True, STAGES=config["num_stages"],
+            INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **config)
 compiled = compile_sm90(_fused_mlp_layer_kernel, (src, w, b, dst, shift, scale, rows, N, K, K, N), meta)
 ptx = compiled.asm["ptx"]
 registers, spills = ptxas_usage(compiled)
-print("has_mma", "mma" in ptx, "has_gdc", "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx,
+print("has_mma", "mma" in ptx, "fma", config["FMA"], "k_steps", -(-K // config["BLOCK_K"]), "has_gdc", "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx,
       "has_cp_async", "cp.async" in ptx, "registers", registers, "spills", spills)
 """
 
 
-# (rows, N) giving each fused_mlp_config tile family on an H200: 16x16 (batch 1, a 10-wide layer at
-# 4096), 32x32, 32x16 and 64x64; the normalizing first layer at batch 1 and 4096.
-@pytest.mark.parametrize("rows, N, normalize", [(1, 256, True), (64, 4096, False), (512, 256, False),
-                                                (4096, 256, True), (4096, 10, False)])
+# (rows, N, tile) giving each fused_mlp_config tile family on an H200: 16x16 (batch 1, a 10-wide
+# layer at 4096), 32x32, 32x16 and 64x64; the normalizing first layer at batch 1 and 4096; and the
+# FMA candidates with the most registers a thread (1 and 8 rows: their widest K tiles).
+@pytest.mark.parametrize("rows, N, normalize, tile", [
+    (1, 256, True, "dot"), (64, 4096, False, "dot"), (512, 256, False, "dot"), (4096, 256, True, "dot"),
+    (4096, 10, False, "dot"), (1, 256, True, "fma"), (8, 256, False, "fma")])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_compiles_for_sm90_without_register_spills(rows, N, normalize, dtype):
-    # A GPU is not needed to compile for one: this keeps every fused_mlp_config spill-free.
+def test_compiles_for_sm90_without_register_spills(rows, N, normalize, tile, dtype):
+    # A GPU is not needed to compile for one: this keeps the default config spill-free, and FMA ones.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", COMPILE_SM90, str(rows), str(N), dtype,
-                             "1" if normalize else "0"],
+                             "1" if normalize else "0", tile],
                             env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, f"compile failed:\n{result.stderr[-3000:]}"
     report = result.stdout
     assert "has_gdc True" in report, "no griddepcontrol: layers would not overlap launches on sm_90"
-    assert "has_cp_async True" in report, "no cp.async: the k loop's loads are not pipelined"
-    if dtype == "bf16":
+    if "k_steps 1 " not in report:  # (one K step: the whole layer is the peeled first step)
+        assert "has_cp_async True" in report, "no cp.async: the k loop's loads are not pipelined"
+    if dtype == "bf16" and tile == "dot":
         assert "has_mma True" in report, "bf16 layers should run on tensor cores"
     spills = re.search(r"spills (\d+)", report)
     assert spills is not None, f"no spill count in:\n{report}"
