@@ -3,7 +3,7 @@
 
 Run on a CUDA GPU from the repository root (stops starting new configs after --budget-s):
 
-    python bench/fused_mlp_sweep.py --out DIR/fused_mlp_sweep_h200.jsonl [--budget-s 150]
+    python bench/fused_mlp_sweep.py --out DIR/fused_mlp_sweep_h200.jsonl [--budget-s 150] [--only digits:512 ...]
 
 Each line is one timing: {"model", "batch", "layer", "M", "N", "K", "dtype", "cfg", "default", "us"}
 (or "err"): microseconds per launch of that one layer, CUDA events around back-to-back launches
@@ -102,7 +102,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="JSON-lines file to write")
     parser.add_argument("--budget-s", type=float, default=150.0, help="start no new config after this")
+    parser.add_argument("--only", nargs="+", metavar="MODEL:BATCH",
+                        help="sweep these (model, batch) points instead of the default plan, e.g. digits:512")
     args = parser.parse_args()
+    plan = PLAN if not args.only else [(p.split(":")[0], int(p.split(":")[1])) for p in args.only]
     if not torch.cuda.is_available():
         sys.exit("fused_mlp_sweep.py needs a CUDA GPU")
     deadline = time.monotonic() + args.budget_s
@@ -113,7 +116,7 @@ def main():
             f.write(json.dumps(row) + "\n")
             f.flush()
 
-        for name, batch in PLAN:
+        for name, batch in plan:
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s} s spent before {name} batch {batch}")
                 break

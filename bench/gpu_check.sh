@@ -4,6 +4,7 @@
 #   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick e2e model kernels kernels-full load
 #                                         sweep mlp-sweep profile
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
+# MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
 # so one hang cannot eat the whole run.
 set -uo pipefail
@@ -77,7 +78,8 @@ for s in "${stages[@]}"; do
         load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
         profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
             python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;
-        mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_h200.jsonl" ;;
+        mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_h200.jsonl" \
+            ${MLP_SWEEP_ONLY:+--only $MLP_SWEEP_ONLY} ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
         *) echo "unknown stage: $s (env tests tests-quick e2e model kernels kernels-full load sweep mlp-sweep profile)" | tee -a "$log" ;;
     esac
