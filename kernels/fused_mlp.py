@@ -120,12 +120,10 @@ _FMA_ELEMENTS = 16384
 
 
 def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 132) -> list[dict]:
-    """Tile configs the first launch at a batch bucket times (``fused_mlp_config`` first), from
-    the H200 sweep (``bench/fused_mlp_sweep.py``, ``bench/results/fused_mlp_sweep_h200.jsonl``). Up
-    to 16 rows: the 16x16 tensor-core tiles that won some layer (64 deep for a narrow K, 256 deep
-    with 2 warps for the normalizing layer of a 1024-wide model) and FMA tiles as narrow as the
-    batch. Past that, the tiles that won at batch 64 and 512: up to 3x faster per layer than the
-    default, which fills every SM with narrow tiles."""
+    """Tile configs the first launch at a batch bucket times (``fused_mlp_config`` first). Up to
+    16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep (64 deep for a
+    narrow K, 256 deep with 2 warps for the normalizing layer of a 1024-wide model) and FMA tiles
+    as narrow as the batch; past that, the tiles around the default."""
     configs = [fused_mlp_config(M, N, dtype, sms)]
 
     def add(block_m, block_n, block_k, num_warps, fma=False):
@@ -142,17 +140,12 @@ def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 
             block_k = max(16, min(512, _FMA_ELEMENTS // (block_m * block_n), triton.next_power_of_2(K)))
             add(block_m, block_n, block_k, 8 if block_m * block_n * block_k > 4096 else 4, fma=True)
     elif M <= 64:
-        # The winners at batch 64 (mlp4x1024): wide tiles over few programs beat filling the SMs.
-        add(16, 64, 128, 4)
-        add(64, 16, 128, 4)
-        add(32, 32, 128, 4)
         add(16, 16, 128, 4)
+        add(32, 32, 64, 4)
     else:
-        # The winners at batch 512 (digits, fp32): 16 x 64 tiles, 32 or 64 deep.
-        add(16, 64, 32, 4)
-        add(16, 64, 64, 4)
-        add(32, 64, 32 if dtype == torch.float32 else 64, 4)
-        add(64, 64, 32 if dtype == torch.float32 else 64, 8)
+        deep = 32 if dtype == torch.float32 else 64
+        add(64, 64, deep, 8)
+        add(32, 64, deep, 4)
     return configs
 
 
