@@ -15,6 +15,38 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _language_modules():
+    import triton.language as tl
+    from triton.language import core, math, standard
+
+    return (tl, core, math, standard, tl.tensor, core.tensor)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _language_snapshot():
+    """triton.language as imported, before any kernel is interpreted (None on a GPU)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    return [(module, dict(vars(module))) for module in _language_modules()]
+
+
+@pytest.fixture(autouse=True)
+def _undo_interpreter_patches(_language_snapshot):
+    """Put back what Triton's interpreter leaves patched in ``triton.language`` after a test.
+
+    triton 3.6's interpreter swaps ``triton.language.core`` functions for interpreted ones while
+    a kernel runs, but a call into a ``@triton.jit`` helper (``tl.cdiv``, ``tl.sum``, our own)
+    patches them again and never restores them. A Gluon kernel compiled for sm_90 later in the same
+    process then lowers those interpreted stand-ins and fails (``'block_argument' object has no
+    attribute 'dtype'`` in ``cdiv``)."""
+    yield
+    for module, attributes in _language_snapshot or ():
+        current = vars(module)
+        for name, value in attributes.items():
+            if current.get(name) is not value:
+                setattr(module, name, value)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
