@@ -18,7 +18,9 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
+import site
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.model import CountingSink, build_pair  # noqa: E402  (needs sys.path)
 from models import ModelRunner  # noqa: E402
 
@@ -92,7 +95,11 @@ def host_costs(model, batch):
     timed.flush_timings()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
-    costs["timed_batches_cprofile"] = text.getvalue()
+    # File names relative to the repository and to site-packages: the report is committed.
+    report = text.getvalue().replace(str(ROOT) + os.sep, "")
+    for packages in site.getsitepackages():
+        report = report.replace(packages + os.sep, "site-packages/")
+    costs["timed_batches_cprofile"] = report
     return costs
 
 
