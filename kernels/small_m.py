@@ -72,6 +72,8 @@ def _gemv_tiles(M, dtype):
         if 2 <= block_n <= 32:
             tiles.append((block_n, block_k, 8, stages))
     return tiles
+
+
 # Split K only while the grid stays within about 4 programs per SM of an H200 (132 SMs).
 _MAX_PROGRAMS = 4 * 132
 
