@@ -10,6 +10,10 @@ thread wake-ups and the GIL changing hands), more than a small model's whole bat
 (digits: ~0.05 ms) or a CUDA graph replay. So a batch whose row count last took less than
 ``inline_batch_ms`` (``inf``: every batch) runs on the event loop's thread; longer ones (and any row
 count not yet measured) run in the one worker thread, so the loop keeps reading requests meanwhile.
+A time measured on the worker includes waiting for the GIL, which a busy event loop holds for up to
+the interpreter's switch interval (5 ms): once a row count went to the worker (after its first
+batch, say, or a garbage-collection pause) its times there could keep it there. So one batch in
+``REMEASURE_EVERY`` of a row count on the worker runs on the loop, to measure it again.
 While an inline batch runs nothing is read, so after an inline batch of several requests the next
 batch fills (as behind a busy model) even from an empty queue: its requests are still arriving."""
 
@@ -37,6 +41,9 @@ from service.errors import (
 
 
 log = logging.getLogger(__name__)
+
+# One batch in this many of a row count that runs on the worker thread runs on the loop instead.
+REMEASURE_EVERY = 32
 
 
 class Runner(Protocol):
@@ -86,6 +93,8 @@ class Batcher:
         self._state = _BUSY
         # Last compute seconds per row-count bucket (rows rounded up to a power of two).
         self._compute_s: dict[int, float] = {}
+        # Batches per row-count bucket sent to the worker since that bucket last ran on the loop.
+        self._on_worker: dict[int, int] = {}
         self._stopping = False
         self._task: asyncio.Task | None = None
         # One thread, and the loop awaits each batch: the runner computes one batch at a time.
@@ -230,6 +239,11 @@ class Batcher:
         bucket = 1 << (rows - 1).bit_length()
         last = self._compute_s.get(bucket)
         inline = self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s)
+        if not inline and last is not None and self.inline_batch_s > 0:
+            self._on_worker[bucket] = self._on_worker.get(bucket, 0) + 1
+            inline = self._on_worker[bucket] >= REMEASURE_EVERY  # measure it again where it would run
+        if inline:
+            self._on_worker.pop(bucket, None)
         try:
             if inline:
                 out, compute_s = self._run(x)

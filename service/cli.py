@@ -22,7 +22,7 @@ _FLAGS = {
     "--max-body-bytes": ("max_body_bytes", int, "request body cap, 413 above (default 8 MiB)"),
     "--max-rows-per-request": ("max_rows_per_request", int, "rows per request (default max batch size)"),
     "--inline-batch-ms": ("inline_batch_ms", float,
-                          "batches faster than this skip the worker thread (default: CPU all, CUDA 1)"),
+                          "batches faster than this skip the worker thread (default: CPU 25, CUDA 1)"),
     "--torch-threads": ("torch_threads", int, "torch threads for CPU models (default 0: torch's own)"),
     "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
 }

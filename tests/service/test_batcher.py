@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.batcher import Batcher
+from service.batcher import REMEASURE_EVERY, Batcher
 from service.errors import BatchFailed, ClientGone, DeadlineExceeded, QueueFull
 from service.stats import ServiceStats
 
@@ -238,6 +238,32 @@ async def test_slow_batches_and_zero_threshold_stay_on_the_worker_thread():
             await b.submit(rows(1))
         assert loop_thread not in runner.threads, f"{kw}, {seconds} s per batch: {runner.threads}"
         await b.stop()
+
+
+class SlowOffTheLoop(ThreadSpy):
+    """5 ms a batch on the worker thread, nothing on the loop's: what waiting for the GIL held by a
+    busy event loop looks like from the worker."""
+
+    def __init__(self, loop_thread):
+        super().__init__()
+        self.loop_thread = loop_thread
+
+    def run(self, x):
+        self.seconds = 0.0 if threading.current_thread().name == self.loop_thread else 0.005
+        return super().run(x)
+
+
+async def test_a_row_count_sent_to_the_worker_is_measured_again_on_the_loop():
+    loop_thread = threading.current_thread().name
+    runner = SlowOffTheLoop(loop_thread)
+    b, _ = await started(runner, inline_batch_ms=1.0)
+    for _ in range(REMEASURE_EVERY + 4):
+        await b.submit(rows(1))
+    on_loop = [i for i, name in enumerate(runner.threads) if name == loop_thread]
+    # Batch 0 is unmeasured, 1..REMEASURE_EVERY-1 follow the 5 ms the worker measured; then one runs
+    # on the loop, measures ~0 ms, and every later one stays there.
+    assert on_loop == list(range(REMEASURE_EVERY, REMEASURE_EVERY + 4)), runner.threads
+    await b.stop()
 
 
 async def test_inline_batch_that_fails_answers_every_request():
