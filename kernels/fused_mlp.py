@@ -224,6 +224,17 @@ def _input_tile(src_ptr, shift_ptr, scale_ptr, rows, k0, K, stride_src, row_ok, 
 
 
 @triton.jit
+def _step(acc, wide, a, w, FMA: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
+    """One k step of input tile ``a`` [BLOCK_M, BLOCK_K] by W^T tile ``w`` [BLOCK_K, BLOCK_N]: into
+    ``wide`` as elementwise fp32 products (FMA) or into ``acc`` by ``tl.dot``; returns both."""
+    if FMA:
+        wide += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+    else:
+        acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+    return acc, wide
+
+
+@triton.jit
 def _fused_mlp_layer_kernel(
     # pointers: this layer's input [M, K] (raw fp32 for layer 0), W [N, K], b [N], output [M, N];
     # the normalization [K] fp32 (read by layer 0 only)
@@ -259,19 +270,13 @@ def _fused_mlp_layer_kernel(
         launch_dependents_then_wait()
         a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, 0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
                         w_ptr.dtype.element_ty)
-        if FMA:
-            wide += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
-        else:
-            acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+        acc, wide = _step(acc, wide, a, w, FMA, INPUT_PRECISION, UPCAST_BF16)
         k_first = BLOCK_K
     for k0 in tl.range(k_first, K, BLOCK_K, num_stages=STAGES):
         a = _input_tile(src_ptr, shift_ptr, scale_ptr, rows, k0, K, stride_src, row_ok, NORMALIZE, BLOCK_K,
                         w_ptr.dtype.element_ty)
         w = tl.load(w_ptrs + k0, mask=(k0 + tl.arange(0, BLOCK_K) < K)[:, None] & col_ok[None, :], other=0.0)
-        if FMA:
-            wide += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
-        else:
-            acc = dot_acc(acc, a, w, INPUT_PRECISION, UPCAST_BF16)
+        acc, wide = _step(acc, wide, a, w, FMA, INPUT_PRECISION, UPCAST_BF16)
     if FMA:
         acc = tl.sum(wide, axis=1)
     # Epilogue: bias and activation while the accumulator is still in fp32, then one store.

@@ -232,11 +232,7 @@ def _gemv_kernel(
         w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0).to(tl.float32)
         if USE_PDL:
             launch_dependents_then_wait()
-        if BLOCK_M == 1:
-            wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
-        else:
-            x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=k_in[None, :], other=0.0)
-            wide3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        wide, wide3 = _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M)
         w_ptrs += BLOCK_K
         kb_first += 1
     elif USE_PDL:
@@ -246,11 +242,7 @@ def _gemv_kernel(
         k = kb * BLOCK_K + offs_k
         k_in = k < K
         w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0).to(tl.float32)
-        if BLOCK_M == 1:
-            wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
-        else:
-            x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=k_in[None, :], other=0.0)
-            wide3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        wide, wide3 = _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M)
         w_ptrs += BLOCK_K
     if BLOCK_M == 1:
         acc = tl.sum(wide, axis=1)[:, None]  # [BLOCK_N, 1]
@@ -260,6 +252,18 @@ def _gemv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, pid_n, pid_k,
             HAS_BIAS, ACTIVATION, SPLIT_K)
+
+
+@triton.jit
+def _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M: tl.constexpr):
+    """Add the products of the fp32 W tile ``w`` [BLOCK_N, BLOCK_K] with X's columns ``k`` to the
+    one-row accumulator ``wide`` (BLOCK_M == 1) or the several-row ``wide3``; returns both."""
+    if BLOCK_M == 1:
+        wide += w * tl.load(x_ptr + k, mask=k_in, other=0.0).to(tl.float32)[None, :]
+    else:
+        x = tl.load(x_ptr + x_rows[:, None] + k[None, :], mask=k_in[None, :], other=0.0)
+        wide3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    return wide, wide3
 
 
 @triton.jit
