@@ -159,15 +159,20 @@ def _tune_key(M: int, packed: PackedMLP, index: int) -> str:
     return f"{NAME}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}|{role}|{precision}"
 
 
+def _timed_config(M: int, packed: PackedMLP, index: int, device: torch.device) -> dict | None:
+    """The config timed for this layer's batch bucket on this GPU model, or None."""
+    if device.type != "cuda":
+        return None
+    tuned = autotune_cache.device_cache(torch.cuda.get_device_name(device)).get(_tune_key(M, packed, index))
+    return None if tuned is None else dict(tuned)
+
+
 def layer_config(M: int, packed: PackedMLP, index: int, device) -> dict:
     """The config layer ``index`` launches with at ``M`` rows on ``device``: the tuned one once its
     batch bucket has been timed here, else ``fused_mlp_config``."""
     device = torch.device(device)
-    if device.type == "cuda":
-        tuned = autotune_cache.device_cache(torch.cuda.get_device_name(device)).get(_tune_key(M, packed, index))
-        if tuned is not None:
-            return dict(tuned)
-    return fused_mlp_config(M, packed.widths[index + 1], packed.weights.dtype, sm_count(device))
+    tuned = _timed_config(M, packed, index, device)
+    return tuned or fused_mlp_config(M, packed.widths[index + 1], packed.weights.dtype, sm_count(device))
 
 
 def _tuned_config(h, packed, index, shift, scale, pdl) -> dict:
@@ -176,11 +181,9 @@ def _tuned_config(h, packed, index, shift, scale, pdl) -> dict:
     M, device = h.shape[0], h.device
     if device.type != "cuda":
         return layer_config(M, packed, index, device)
-    cache = autotune_cache.device_cache(torch.cuda.get_device_name(device))
-    key = _tune_key(M, packed, index)
-    tuned = cache.get(key)
+    tuned = _timed_config(M, packed, index, device)
     if tuned is not None:
-        return dict(tuned)
+        return tuned
     K, N = packed.widths[index], packed.widths[index + 1]
     candidates = fused_mlp_candidates(M, N, K, packed.weights.dtype, sm_count(device))
     if torch.cuda.is_current_stream_capturing():
@@ -189,7 +192,7 @@ def _tuned_config(h, packed, index, shift, scale, pdl) -> dict:
     # left in L2 (a narrow model's weights stay there between batches).
     _, best = autotune_cache.time_configs(
         candidates, lambda config: fused_mlp_layer(h, packed, index, shift, scale, config=config, pdl=pdl))
-    cache.put(key, best)
+    autotune_cache.device_cache(torch.cuda.get_device_name(device)).put(_tune_key(M, packed, index), best)
     return dict(best)
 
 

@@ -375,17 +375,23 @@ class ModelRunner:
                 best = min(best, start.elapsed_time(end) / 1e3 / CHOICE_CALLS)  # elapsed_time is in ms
         return best
 
-    def _capture(self, bucket: int, path: str):
-        """``(graph, static output)`` of ``path`` at ``bucket``, or None (and eager from now on) if capture fails."""
+    def _record(self, bucket: int, path: str, marks: list | None = None):
+        """``(graph, static output)`` of ``path`` at ``bucket`` (``marks``: events recorded between
+        layers, as ``_forward`` takes them); raises what the capture raises."""
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             # One memory pool for every graph of this runner: they never replay at the same time, and
             # each kept graph's output stays referenced, so no capture reuses another's output.
             self._pool = torch.cuda.graph_pool_handle()
+        # thread_local: a stats reader collecting timings on another thread must not break it.
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(bucket, None, path, marks)
+        return graph, out
+
+    def _capture(self, bucket: int, path: str):
+        """``(graph, static output)`` of ``path`` at ``bucket``, or None (and eager from now on) if capture fails."""
         try:
-            # thread_local: a stats reader collecting timings on another thread must not break it.
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._forward(bucket, None, path)
+            return self._record(bucket, path)
         except Exception:  # any failure: eager launches give the same answers, only slower
             log.warning("CUDA graph capture failed for %r at M=%d (%s path); it runs eager launches "
                         "from now on", self.name, bucket, path, exc_info=True)
@@ -395,7 +401,6 @@ class ModelRunner:
             # A broken device (not just a refused capture) must surface here, not in a later batch.
             torch.cuda.synchronize(self.device)
             return None
-        return graph, out
 
     def _capture_timed(self, bucket: int, path: str):
         """``(graph, output, events)``: ``path`` at ``bucket`` with an external CUDA event before each
@@ -408,10 +413,8 @@ class ModelRunner:
             log.info("this torch cannot record CUDA events inside a graph; timed batches of %r run "
                      "eagerly", self.name)
             return None
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._forward(bucket, None, path, marks)
+            graph, out = self._record(bucket, path, marks)
         except Exception:
             log.warning("the timed CUDA graph of %r at M=%d could not be captured; its timed batches run "
                         "eagerly", self.name, bucket, exc_info=True)
