@@ -14,7 +14,6 @@ tensor-core tiles. Layers with equal (N, K, role) are timed once.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from bench.model import build_pair  # noqa: E402  (needs sys.path)
+from bench.json_lines import JsonLines  # noqa: E402  (needs sys.path)
+from bench.model import build_pair  # noqa: E402
 from kernels import fused_mlp  # noqa: E402
 
 # (model, batch), most telling first (the issue-4 points that miss), in case the budget runs out.
@@ -109,19 +109,13 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("fused_mlp_sweep.py needs a CUDA GPU")
     deadline = time.monotonic() + args.budget_s
-    rows = []
-    with open(args.out, "w") as f:
-        def emit(row):
-            rows.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-
+    with JsonLines(args.out) as out:
         for name, batch in plan:
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s} s spent before {name} batch {batch}")
                 break
-            sweep(name, batch, emit, deadline)
-            here = [r for r in rows if (r["model"], r["batch"]) == (name, batch) and r["us"] is not None]
+            sweep(name, batch, out.emit, deadline)
+            here = [r for r in out.rows if (r["model"], r["batch"]) == (name, batch) and r["us"] is not None]
             for layer in sorted({r["layer"] for r in here}):
                 mine = sorted((r for r in here if r["layer"] == layer), key=lambda r: r["us"])
                 default = next((r["us"] for r in mine if r["default"]), None)

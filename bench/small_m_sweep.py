@@ -17,7 +17,6 @@ which that kernel ignores.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
+from bench.json_lines import JsonLines  # noqa: E402
 from kernels import small_m, tma_persistent  # noqa: E402
 
 # (M, N, K), most telling first, in case the budget runs out.
@@ -102,19 +102,13 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("small_m_sweep.py needs a CUDA GPU")
     deadline = time.monotonic() + args.budget_s
-    rows = []
-    with open(args.out, "w") as f:
-        def emit(row):
-            rows.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-
+    with JsonLines(args.out) as out:
         for M, N, K in PLAN:
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s} s spent before M={M} N={N} K={K}")
                 break
-            sweep_shape(M, N, K, emit, deadline)
-            here = [r for r in rows if (r["M"], r["N"], r["K"]) == (M, N, K) and r["us"] is not None]
+            sweep_shape(M, N, K, out.emit, deadline)
+            here = [r for r in out.rows if (r["M"], r["N"], r["K"]) == (M, N, K) and r["us"] is not None]
             peers = {r["impl"]: round(r["us"], 2) for r in here if "cfg" not in r}
             print(f"M={M} N={N} K={K} peers {peers}")
             for r in sorted((r for r in here if "cfg" in r), key=lambda r: r["us"])[:5]:
