@@ -1,10 +1,11 @@
 """Sweep the weight-streaming kernel's configs with and without programmatic dependent launch
 (PDL) and the weight prefetch, next to cuBLAS, at small M: the data behind ``kernels.small_m``'s
-candidate lists. For M > 64 it sweeps the TMA persistent kernel's configs instead.
+candidate lists. For M > 64 it sweeps the TMA persistent kernel's configs instead. With
+``--kernel gluon`` it sweeps ``kernels.gluon_small_m`` (Hopper) at M <= 64 instead.
 
 Run on a CUDA GPU from the repository root (stops starting new configs after --budget-s):
 
-    python bench/small_m_sweep.py --out bench/results/small_m_sweep_h200.jsonl [--budget-s 280]
+    python bench/small_m_sweep.py --out bench/results/small_m_sweep_h200.jsonl [--budget-s 280] [--kernel gluon]
 
 Each line of the output is one timing: {"M", "N", "K", "impl", "cfg", "pdl", "pre", "us"} (or
 "err"), bf16, timed as ``bench/kernels.py`` times (cold L2, CUDA-graph replays). Every config runs
@@ -27,7 +28,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
 from bench.json_lines import JsonLines  # noqa: E402
-from kernels import small_m, tma_persistent  # noqa: E402
+from kernels import gluon_small_m, small_m, tma_persistent  # noqa: E402
 
 # (M, N, K), most telling first, in case the budget runs out.
 PLAN = ((1, 4096, 4096), (16, 4096, 4096), (4, 4096, 4096), (1, 1024, 1024), (8, 1024, 1024),
@@ -39,6 +40,10 @@ TC_TILES = ((16, 256, 4, 4), (16, 512, 3, 4), (32, 256, 4, 4), (32, 128, 6, 4), 
 GEMV_TILES = ((16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4), (8, 1024, 4, 2),
               (16, 1024, 8, 2), (4, 1024, 4, 3))
 MAX_PROGRAMS = 1100
+# Gluon swap-AB tiles (BLOCK_N, BLOCK_K), each with the deepest ring that fits (64 x 128 also 4 deep).
+GLUON_TILES = ((64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (128, 256))
+GLUON_PLAN = ((1, 4096, 4096), (16, 4096, 4096), (4, 4096, 4096), (64, 4096, 4096), (1, 1024, 1024),
+              (8, 1024, 1024), (32, 4096, 4096), (1, 11008, 4096), (16, 8192, 8192))
 
 
 def sweep_configs(M, N):
@@ -50,6 +55,18 @@ def sweep_configs(M, N):
         for bn, bk, warps, stages in GEMV_TILES:
             configs += [dict(GEMV=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps, num_stages=stages)
                         for s in (1, 2, 4) if triton.cdiv(N, bn) * s <= MAX_PROGRAMS]
+    return configs
+
+
+def gluon_configs(M, N, K):
+    configs = []
+    for bn, bk in GLUON_TILES:
+        deepest = gluon_small_m._SMEM_BUDGET // ((bn + gluon_small_m.block_m(M)) * bk * 2)
+        for stages in sorted({min(12, deepest), 4 if (bn, bk) == (64, 128) else deepest}):
+            if 3 <= stages <= deepest:
+                configs += [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, STAGES=stages, num_warps=4)
+                            for s in (1, 2, 4, 8) if triton.cdiv(N, bn) * s <= 4 * 132
+                            and (s == 1 or triton.cdiv(K, bk) >= 2 * s)]
     return configs
 
 
@@ -68,15 +85,18 @@ def timed(fn, sets, M, N, K):
         return None, f"{type(e).__name__}: {str(e)[:150]}"
 
 
-def sweep_shape(M, N, K, emit, deadline):
+def sweep_shape(M, N, K, emit, deadline, gluon=False):
     sets = kbench.make_sets(M, N, K, torch.bfloat16)
     peers = {"cublaslt_fused": lambda x, w, b: torch._addmm_activation(b, x, w.t()),
              "torch_unfused": kbench.relu_linear}
     for name, fn in peers.items():
         us, err = timed(fn, sets, M, N, K)
         emit(dict(M=M, N=N, K=K, impl=name, us=us, err=err))
-    module = small_m if M <= 64 else tma_persistent
-    configs = sweep_configs(M, N) if M <= 64 else tma_persistent.CONFIGS
+    if gluon:
+        module, configs = gluon_small_m, gluon_configs(M, N, K)
+    else:
+        module = small_m if M <= 64 else tma_persistent
+        configs = sweep_configs(M, N) if M <= 64 else tma_persistent.CONFIGS
     first = (True, M <= 64)
     timings = []
     for config in configs:
@@ -98,16 +118,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="JSON-lines file to write")
     parser.add_argument("--budget-s", type=float, default=280.0, help="start no new config after this")
+    parser.add_argument("--kernel", choices=("triton", "gluon"), default="triton",
+                        help="sweep the Triton weight-streaming kernels (default) or the Gluon one")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("small_m_sweep.py needs a CUDA GPU")
     deadline = time.monotonic() + args.budget_s
     with JsonLines(args.out) as out:
-        for M, N, K in PLAN:
+        for M, N, K in GLUON_PLAN if args.kernel == "gluon" else PLAN:
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s} s spent before M={M} N={N} K={K}")
                 break
-            sweep_shape(M, N, K, out.emit, deadline)
+            sweep_shape(M, N, K, out.emit, deadline, gluon=args.kernel == "gluon")
             here = [r for r in out.rows if (r["M"], r["N"], r["K"]) == (M, N, K) and r["us"] is not None]
             peers = {r["impl"]: round(r["us"], 2) for r in here if "cfg" not in r}
             print(f"M={M} N={N} K={K} peers {peers}")

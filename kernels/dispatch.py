@@ -9,6 +9,7 @@ TILED = "triton_tiled"
 SMALL_M = "triton_small_m"
 TMA_PERSISTENT = "triton_tma_persistent"
 GLUON = "gluon_wgmma"
+GLUON_SMALL_M = "gluon_small_m"
 
 # Up to this many rows the layer is bound by reading W, and the weight-streaming kernel (X^T tile
 # 16..64 wide) covers the whole batch in one program column: it is the only candidate.
@@ -41,7 +42,8 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
          with ``tma_aligned``; else ``triton_tiled`` (fp32, other GPUs, the interpreter, views
          TMA cannot read).
       2. ``SMALL_M_MAX < M <= MID_M_MAX``: ``triton_small_m`` is added as a second candidate.
-      3. Hopper, fp16/bf16, ``tma_aligned`` and ``gluon_ok``: ``gluon_wgmma`` is added (any M).
+      3. Hopper, fp16/bf16, ``tma_aligned`` and ``gluon_ok``: ``gluon_wgmma`` is added (any M), and
+         ``gluon_small_m`` (swap-AB weight streaming through TMA) when ``M <= SMALL_M_MAX``.
     """
     hopper_16bit = capability is not None and capability[0] == 9 and dtype in (torch.float16, torch.bfloat16)
     if M <= SMALL_M_MAX:
@@ -53,5 +55,7 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
     if SMALL_M_MAX < M <= MID_M_MAX:
         kernels.append(SMALL_M)
     if hopper_16bit and tma_aligned and gluon_ok:
+        if M <= SMALL_M_MAX:
+            kernels.append(GLUON_SMALL_M)
         kernels.append(GLUON)
     return tuple(kernels)

@@ -13,7 +13,7 @@ from kernels import dispatch, selection, tma_persistent
 from kernels.activations import TORCH_ACTIVATIONS
 from kernels.arguments import check_args, interpreting
 
-KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON)
+KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON, dispatch.GLUON_SMALL_M)
 
 
 def _unit_column_stride(t):
@@ -93,9 +93,12 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
     if name == dispatch.TMA_PERSISTENT and not (half and aligned and (capability is None or capability[0] == 9)):
         raise ValueError(f"name {name!r} needs fp16/bf16, 16-byte aligned rows (N={N}, K={K}) and a Hopper "
                          "GPU or the interpreter")
-    if name == dispatch.GLUON and not (aligned and selection.gluon_ok(M, N, K, x2d.dtype, x2d.device)):
+    gluon_small = name == dispatch.GLUON_SMALL_M
+    if name in (dispatch.GLUON, dispatch.GLUON_SMALL_M) and not (
+            aligned and selection.gluon_ok(M, N, K, x2d.dtype, x2d.device) and (not gluon_small or M <= dispatch.SMALL_M_MAX)):
         raise ValueError(f"name {name!r}: the Gluon kernel is unavailable or does not accept "
-                         f"M={M} N={N} K={K} {x2d.dtype} on {x2d.device}")
+                         f"M={M} N={N} K={K} {x2d.dtype} on {x2d.device}"
+                         + (f" (it takes at most {dispatch.SMALL_M_MAX} rows)" if gluon_small else ""))
     chosen, config = selection.choose((name,), x2d, weight, bias, activation)
     return selection.launch(chosen, config, x2d, weight, bias, activation).reshape(*lead, N)
 

@@ -25,6 +25,17 @@ def gluon_module():
         return None
 
 
+@functools.cache
+def _gluon_small_m():
+    return importlib.import_module("kernels.gluon_small_m")
+
+
+def launcher(name):
+    """The module that times and launches kernel ``name`` (``candidates``, ``launch``); the Gluon
+    weight-streaming one is imported on first use (its module needs the optional Gluon API)."""
+    return _gluon_small_m() if name == dispatch.GLUON_SMALL_M else LAUNCHERS[name]
+
+
 def capability(device):
     """CUDA compute capability, or None where kernels run in the interpreter."""
     if device.type != "cuda" or interpreting():
@@ -77,7 +88,7 @@ def launch(name, config, x2d, weight, bias, activation, static_weight=False):
     if name == dispatch.GLUON:
         return gluon_module().gluon_fused_linear(x2d, weight, bias, activation)
     out = torch.empty((x2d.shape[0], weight.shape[0]), device=x2d.device, dtype=x2d.dtype)
-    return LAUNCHERS[name].launch(x2d, weight, bias, activation, out, config, **_launch_kw(x2d, static_weight))
+    return launcher(name).launch(x2d, weight, bias, activation, out, config, **_launch_kw(x2d, static_weight))
 
 
 def _options(kernels, M, N, K, dtype):
@@ -87,7 +98,7 @@ def _options(kernels, M, N, K, dtype):
         if name == dispatch.GLUON:
             pairs.append((name, None))
         else:
-            pairs += [(name, cfg) for cfg in LAUNCHERS[name].candidates(M, N, K, dtype)]
+            pairs += [(name, cfg) for cfg in launcher(name).candidates(M, N, K, dtype)]
     return pairs
 
 

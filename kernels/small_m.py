@@ -308,7 +308,7 @@ _LOCK_SLOTS = 4096
 _locks: dict[torch.device, torch.Tensor] = {}
 
 
-def _tile_counters(device):
+def tile_counters(device):
     """The device's counters, or None inside a CUDA-graph capture before any eager launch made them
     (allocating there would zero them only when the graph replays)."""
     if device not in _locks:
@@ -333,7 +333,7 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
         raise ValueError(f"config {config}: the GEMV variant takes at most {GEMV_MAX_M} rows, got M={M}")
     bm = triton.next_power_of_2(M) if gemv else block_m(M)
     grid = (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], 1 if gemv else triton.cdiv(M, bm))
-    locks = _tile_counters(x.device) if meta["SPLIT_K"] > 1 else out
+    locks = tile_counters(x.device) if meta["SPLIT_K"] > 1 else out
     if locks is None:  # first split-K launch inside a graph capture: unsplit is as right
         meta["SPLIT_K"] = 1
         grid = (grid[0], 1, grid[2])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernels import autotune_cache
-from kernels.dispatch import (GLUON, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED, TMA_PERSISTENT, candidate_kernels,
-                              m_bucket)
+from kernels.dispatch import (GLUON, GLUON_SMALL_M, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED, TMA_PERSISTENT,
+                              candidate_kernels, m_bucket)
 
 HOPPER = (9, 0)
 AMPERE = (8, 0)
@@ -45,6 +45,17 @@ def test_gluon_competes_where_it_accepts_the_shape(M):
     assert GLUON not in kernels_for(M, gluon_ok=True, tma_aligned=False)
     assert GLUON not in kernels_for(M, torch.float32, gluon_ok=True)
     assert GLUON not in kernels_for(M, capability=AMPERE, gluon_ok=True)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, SMALL_M_MAX])
+def test_gluon_weight_streaming_competes_at_small_batches_on_hopper(M):
+    # The Triton kernel stays the default (first); the Gluon one is timed against it.
+    assert kernels_for(M, gluon_ok=True) == (SMALL_M, GLUON_SMALL_M, GLUON)
+    assert kernels_for(M, torch.float16, gluon_ok=True) == (SMALL_M, GLUON_SMALL_M, GLUON)
+    assert GLUON_SMALL_M not in kernels_for(M, torch.float32, gluon_ok=True)
+    assert GLUON_SMALL_M not in kernels_for(M, gluon_ok=True, tma_aligned=False)
+    assert GLUON_SMALL_M not in kernels_for(M, capability=AMPERE, gluon_ok=True)
+    assert GLUON_SMALL_M not in kernels_for(SMALL_M_MAX + 1, gluon_ok=True)
 
 
 @pytest.mark.parametrize("kwargs", [

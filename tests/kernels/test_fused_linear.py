@@ -170,7 +170,7 @@ def test_small_m_split_k_with_empty_splits(split_k, prefetch):
                        prefetch_weight=prefetch, **_pdl())
         assert_matches(out, x, w, b, "silu")
     if split_k > 1:  # the last split of each tile resets its counter for the next launch
-        assert int(small_m._tile_counters(x.device).abs().sum()) == 0
+        assert int(small_m.tile_counters(x.device).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("M,N,K,dtype,split_k,activation", [
@@ -249,7 +249,7 @@ def test_run_kernel_refuses_what_the_kernel_cannot_run(name, M, N, K, dtype, mat
 
 
 def test_kernels_lists_every_dispatch_target():
-    assert set(KERNELS) == {"triton_small_m", "triton_tiled", "triton_tma_persistent", "gluon_wgmma"}
+    assert set(KERNELS) == {"triton_small_m", "triton_tiled", "triton_tma_persistent", "gluon_wgmma", "gluon_small_m"}
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="drives the GPU tuning path on the interpreter")

@@ -174,7 +174,8 @@ def test_dispatch_on_this_gpu():
     major = torch.cuda.get_device_capability()[0]
     # Once tuned (maybe by another test in this process), Gluon may win any bucket on Hopper.
     small = kernel_choice(8, 4096, 4096, torch.bfloat16, "cuda")[0]
-    assert small in ((dispatch.SMALL_M, dispatch.GLUON) if major == 9 else (dispatch.SMALL_M,)), small
+    assert small in ((dispatch.SMALL_M, dispatch.GLUON_SMALL_M, dispatch.GLUON) if major == 9
+                     else (dispatch.SMALL_M,)), small
     # Past SMALL_M_MAX the tuned winner may be any candidate; before tuning it is the base kernel.
     mid = kernel_choice(512, 4096, 4096, torch.bfloat16, "cuda")[0]
     assert mid in (dispatch.TMA_PERSISTENT if major == 9 else dispatch.TILED, dispatch.SMALL_M, dispatch.GLUON)

@@ -1,0 +1,245 @@
+"""Hopper (sm_90) weight streaming for small batches, in Gluon: ``Y = act(X @ W^T + b)``, M <= 64.
+
+Below a few hundred rows a layer is bound by reading W once (32 MiB for a 4096 x 4096 bf16 layer;
+7.8 us on an H200), so everything here serves that stream. "Swap AB": each wgmma computes a
+``[BLOCK_N, BLOCK_M]`` tile of Y^T = W @ X^T, so W's rows fill the instruction's 64-row side and
+the batch only its narrow side (n = 8 or 16: M is padded to 8, not to 64 as a plain tiling pads it).
+Each program owns ``BLOCK_N`` rows of W and one of ``SPLIT_K`` slices of K. TMA brings W and X
+tiles into a ring of ``STAGES`` shared-memory slots, one mbarrier each: a handful of bulk copies
+keep ~100-200 KB in flight per SM where a cp.async pipeline issues one 16-byte load per thread per
+row. With programmatic dependent launch and a weight no kernel writes (``prefetch_weight``), the
+W half of the ring is filled before waiting for the previous kernel, so a layer's stream starts
+while the layer before it finishes.
+
+Split-K partial sums go to an fp32 workspace; the last split of each tile to arrive (a counter per
+tile) adds them in split order (deterministic) and applies bias and activation, in this launch.
+
+Only the launcher touches CUDA, so importing this module works on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels import small_m
+from kernels.gluon_linear import _TORCH_TO_GL, _activation
+
+NAME = "gluon_small_m"
+# Rows of X one program multiplies each W tile by (wgmma's n: 8 to 256; 64 keeps the fp32
+# accumulator of a 128-row W tile at 64 registers a thread).
+MAX_M = 64
+INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
+
+# Shared memory the ring may fill (an sm_90 SM has 227 KB; the rest is for barriers and spills).
+_SMEM_BUDGET = 200 * 1024
+
+
+def block_m(M):
+    """The X tile's rows: wgmma's n is at least 8; rows past M are zero-filled by TMA, not read."""
+    return max(8, triton.next_power_of_2(M))
+
+
+def _split_ways(n_tiles, k_tiles):
+    """Split-K factors that fill an H200's 132 SMs about once or twice, each split >= 2 K tiles."""
+    ways = [s for s in (1, 2, 4, 8) if s == 1 or s * 2 <= k_tiles]
+    fill = [s for s in ways if n_tiles * s <= 2 * 132]
+    return (fill or ways[:1])[-2:]
+
+
+def candidates(M, N, K, dtype):
+    """Configs worth timing: 64- and 128-row W tiles, 128 or 256 deep, a ring as deep as shared
+    memory allows, and the two split-K factors that bring the grid closest to one or two waves."""
+    bm = block_m(M)
+    configs = []
+    for block_n, block_k in ((64, 128), (64, 256), (128, 128)):
+        stage_bytes = (block_n + bm) * block_k * 2
+        stages = min(12, _SMEM_BUDGET // stage_bytes)
+        if stages < 3:
+            continue
+        for s in _split_ways(triton.cdiv(N, block_n), triton.cdiv(K, block_k)):
+            configs.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s, STAGES=stages, num_warps=4))
+    return configs
+
+
+@gluon.constexpr_function
+def _acc_layout(BLOCK_N, BLOCK_M, num_warps):
+    # Y^T tile [BLOCK_N, BLOCK_M]: warps stack along W's rows, 16 each; one instruction spans M.
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, BLOCK_M, 16])
+
+
+@gluon.jit
+def _gdc_launch_dependents_then_wait():
+    # Programmatic dependent launch (see kernels.common): let the next kernel start launching, then
+    # wait until the previous one has finished and its writes are visible.
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def gluon_small_m_kernel(
+    # TMA descriptors: W [N, K] (nn.Linear layout), X [M, K]
+    w_desc, x_desc,
+    # pointers: bias [N] (unread without HAS_BIAS), Y [M, N], split-K workspace [SPLIT_K, M, N] fp32
+    # and int32 tile counters (both unread when SPLIT_K == 1)
+    b_ptr, y_ptr, part_ptr, lock_ptr,
+    # sizes and Y's row stride (its column stride is 1)
+    M, N, K, stride_ym,
+    # meta-parameters
+    HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
+    USE_PDL: gl.constexpr,  # launched as a programmatic dependent launch: wait before reading X
+    PREFETCH_W: gl.constexpr,  # W is constant: fill the W half of the ring before that wait
+    num_warps: gl.constexpr,
+):
+    """Y[m, n] = act(sum_k X[m, k] W[n, k] + b[n]) for this program's BLOCK_N columns and K slice."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    dtype: gl.constexpr = w_desc.dtype
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_N, BLOCK_M, num_warps)
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    off_n = pid_n * BLOCK_N
+    # This program's K tiles (possibly none; the K tail is zero-filled by TMA).
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    per_split = gl.cdiv(k_tiles, SPLIT_K)
+    kt_start = pid_k * per_split
+    n_k = gl.minimum(per_split, k_tiles - kt_start)
+
+    # The ring: STAGES slots of a W tile and an X tile, one barrier per slot counting both.
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()  # barrier initialisation must be visible to the TMA unit
+
+    # Prologue: the first STAGES - 1 slots. Each barrier expects both tiles' bytes, so the W copy
+    # may go out now and the X copy after the wait, and the slot is ready when both have landed.
+    for s in gl.static_range(STAGES - 1):
+        pred = s < n_k
+        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [off_n, (kt_start + s) * BLOCK_K], ready.index(s),
+                                        w_bufs.index(s), pred)
+        if not PREFETCH_W:
+            tma.async_copy_global_to_shared(x_desc, [0, (kt_start + s) * BLOCK_K], ready.index(s),
+                                            x_bufs.index(s), pred)
+    if USE_PDL:
+        _gdc_launch_dependents_then_wait()
+    if PREFETCH_W:
+        for s in gl.static_range(STAGES - 1):
+            tma.async_copy_global_to_shared(x_desc, [0, (kt_start + s) * BLOCK_K], ready.index(s),
+                                            x_bufs.index(s), s < n_k)
+
+    # Main loop: the wgmma on slot i overlaps the copies into the other STAGES - 1 slots.
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+    for i in range(n_k):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        # A = W tile [BLOCK_N, BLOCK_K]; B = X tile [BLOCK_M, BLOCK_K] read as [BLOCK_K, BLOCK_M].
+        acc = warpgroup_mma(w_bufs.index(slot), x_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+        # At most one wgmma in flight: tile i - 1 is consumed, so its slot takes tile i + STAGES - 1.
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        nxt = i + STAGES - 1
+        pred = nxt < n_k
+        refill = nxt % STAGES
+        k = (kt_start + nxt) * BLOCK_K
+        mbarrier.expect(ready.index(refill), w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(refill), w_bufs.index(refill), pred)
+        tma.async_copy_global_to_shared(x_desc, [0, k], ready.index(refill), x_bufs.index(refill), pred)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    # Epilogue. acc[j, i] is Y[i, off_n + j] (fp32).
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # along N
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))  # along M
+    cols2 = gl.expand_dims(cols, 1)
+    rows2 = gl.expand_dims(rows, 0)
+    mask = (cols2 < N) & (rows2 < M)
+    if SPLIT_K > 1:
+        # Every split stores its partial sums; the last to arrive adds them all in split order.
+        p_offs = rows2.to(gl.int64) * N + cols2
+        gl.store(part_ptr + pid_k * M * N + p_offs, acc, mask=mask)
+        # Every thread's partial store is issued before the tile's counter moves (the barrier);
+        # the counter's acq_rel orders those stores before the last split's reads.
+        gl.thread_barrier()
+        arrived = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+            for split in range(SPLIT_K):  # .cg: from L2, never from a stale L1 line
+                acc += gl.load(part_ptr + split * M * N + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
+            gl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next launch
+    else:
+        _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
+
+
+@gluon.jit
+def _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS: gl.constexpr,
+              ACTIVATION: gl.constexpr):
+    # Bias and activation while the accumulator is still in fp32, then one store of the tile.
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
+        acc = acc + gl.expand_dims(bias, 1)
+    acc = _activation(acc, ACTIVATION)
+    gl.store(y_ptr + rows2.to(gl.int64) * stride_ym + cols2, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def descriptors(x, weight, config):
+    """TMA descriptors of W and X for ``config`` (``x``/``weight`` may be MockTensors)."""
+    gl_dtype = _TORCH_TO_GL[weight.dtype]
+    w_block = [config["BLOCK_N"], config["BLOCK_K"]]
+    x_block = [block_m(x.shape[0]), config["BLOCK_K"]]
+    w_desc = TensorDescriptor.from_tensor(weight, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl_dtype))
+    x_desc = TensorDescriptor.from_tensor(x, x_block, gl.NVMMASharedLayout.get_default_for(x_block, gl_dtype))
+    return w_desc, x_desc
+
+
+def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
+           prefetch_weight=False):
+    """Run on checked arguments (``kernels.selection`` calls every kernel family this way): ``x
+    [M, K]``, ``weight [N, K]`` fp16/bf16 with TMA-aligned rows, ``out [M, N]`` with unit column
+    stride, 1 <= M <= MAX_M, on a Hopper GPU. ``config`` comes from ``candidates``. ``pdl``: launch
+    as a programmatic dependent launch; ``prefetch_weight`` (with ``pdl``): read W before waiting for
+    the previous kernel, only for a weight that no earlier kernel still writes.
+    ``input_precision``/``upcast_bf16`` are accepted for the common signature (16-bit only here)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"x: the Gluon small-M kernel takes 1 to {MAX_M} rows, got M={M}")
+    if x.dtype not in _TORCH_TO_GL or weight.dtype != x.dtype:
+        raise TypeError(f"x, weight: fp16 or bf16 of one dtype, got {x.dtype} and {weight.dtype}")
+    split = config["SPLIT_K"]
+    grid = (triton.cdiv(N, config["BLOCK_N"]), split)
+    locks = out
+    if split > 1:
+        locks = small_m.tile_counters(x.device)
+        if locks is None:  # first split-K launch inside a graph capture: unsplit is as right
+            split, grid, locks = 1, (grid[0], 1), out
+        elif grid[0] > locks.numel():
+            raise ValueError(f"config {config}: split-K over {grid[0]} tiles, more than the "
+                             f"{locks.numel()} tile counters")
+    part = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
+    w_desc, x_desc = descriptors(x, weight, config)
+    meta = dict(launch_pdl=True) if pdl else {}
+    with torch.cuda.device(x.device):
+        gluon_small_m_kernel[grid](
+            w_desc, x_desc, bias if bias is not None else out, out, part, locks, M, N, K, out.stride(0),
+            HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=split, STAGES=config["STAGES"],
+            USE_PDL=pdl, PREFETCH_W=pdl and prefetch_weight, num_warps=config["num_warps"], **meta)
+    return out

@@ -1,0 +1,181 @@
+"""The Gluon swap-AB weight-streaming kernel: sm_90 compile checks and host-side rules (CPU, CI),
+numerics, determinism and dependent launches in a CUDA graph (Hopper GPU).
+
+Gluon never runs under TRITON_INTERPRET, so on the CPU the kernel is compiled for sm_90 and its PTX,
+shared memory and registers are checked; the numbers are checked only on a Hopper GPU.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import gluon_small_m
+
+IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+# Shared memory per block on sm_90 with the opt-in carve-out.
+SM90_SMEM_BYTES = 227 * 1024
+
+
+def reference(x, weight, bias, activation):
+    """act(x @ weight^T + bias) in float64."""
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return torch.relu(y) if activation == "relu" else y
+
+
+# ---------------------------------------------------------------- host-side rules (CPU, CI)
+
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (5, 1000, 136), (16, 11008, 4096), (64, 1024, 1024),
+                                     (17, 8192, 8192)])
+def test_candidates_fit_and_split_sensibly(M, N, K):
+    configs = gluon_small_m.candidates(M, N, K, torch.bfloat16)
+    assert configs, f"M={M} N={N} K={K}: no candidates"
+    for c in configs:
+        ring = c["STAGES"] * (c["BLOCK_N"] + gluon_small_m.block_m(M)) * c["BLOCK_K"] * 2
+        assert ring <= gluon_small_m._SMEM_BUDGET, f"{c}: a {ring}-byte ring overflows shared memory"
+        assert c["STAGES"] >= 3, f"{c}: too shallow a ring to keep loads in flight"
+        k_tiles = -(-K // c["BLOCK_K"])
+        # Every split gets at least two K tiles (one would leave nothing to overlap).
+        assert c["SPLIT_K"] == 1 or k_tiles >= 2 * c["SPLIT_K"], f"{c}: {k_tiles} K tiles"
+
+
+@pytest.mark.parametrize("M, expected", [(1, 8), (7, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64)])
+def test_x_tile_rows(M, expected):
+    assert gluon_small_m.block_m(M) == expected
+
+
+def test_launch_rejects_what_it_cannot_run():
+    w = torch.zeros(256, 128, dtype=torch.bfloat16)
+    config = gluon_small_m.candidates(1, 256, 128, torch.bfloat16)[0]
+    out = torch.empty(65, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows"):
+        gluon_small_m.launch(torch.zeros(65, 128, dtype=torch.bfloat16), w, None, "relu", out, config)
+    with pytest.raises(TypeError, match="bf16"):
+        gluon_small_m.launch(torch.zeros(3, 128), w.float(), None, "relu", out[:3].float(), config)
+
+
+# ---------------------------------------------------------------- sm_90 compile checks (CPU, CI)
+
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 4096, 4096), (64, 1000, 136)])
+@pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
+def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
+    from kernels._sm90 import ptxas_usage
+    from kernels._sm90_compile import compile_small_m_sm90
+
+    for config in gluon_small_m.candidates(M, N, K, torch.bfloat16):
+        compiled = compile_small_m_sm90(M, N, K, torch.bfloat16, config, "relu", True, pdl=pdl)
+        ptx = compiled.asm["ptx"]
+        where = f"M={M} N={N} K={K} {config} pdl={pdl}"
+        assert "wgmma.mma_async" in ptx, f"{where}: no async wgmma in the PTX"
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, f"{where}: no TMA load"
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"{where}: wgmma is not pipelined"
+        assert ("griddepcontrol.wait" in ptx) == pdl, f"{where}: griddepcontrol.wait present={not pdl}"
+        assert (config["SPLIT_K"] > 1) == ("atom.global" in ptx), f"{where}: split-K counter mismatch"
+        assert compiled.metadata.shared <= SM90_SMEM_BYTES, f"{where}: {compiled.metadata.shared} B shared"
+        registers, spill_bytes = ptxas_usage(compiled)
+        assert spill_bytes == 0, f"{where}: {spill_bytes} bytes spilled ({registers} registers)"
+
+
+# ---------------------------------------------------------------- numerics (Hopper GPU)
+
+def make(M, N, K, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    return x, w, b
+
+
+def check(out, x, w, b, activation, where):
+    ref = reference(x, w, b, activation)
+    nan_at = torch.isnan(out).nonzero()
+    assert nan_at.numel() == 0, f"{where}: {nan_at.shape[0]} outputs never written, first at {nan_at[0].tolist()}"
+    err = (out.double() - ref).abs()
+    torch_out = F.linear(x, w, b)
+    torch_out = torch.relu(torch_out) if activation == "relu" else torch_out
+    theirs = (torch_out.double() - ref).abs().max().item()
+    # Twice torch's own error (the two sum K in different orders), plus one output ulp of the
+    # largest value for shapes where torch happens to round every element exactly.
+    tol = 2 * theirs + torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
+    worst = err.max().item()
+    if worst > tol:
+        i, j = divmod(int(err.argmax()), out.shape[1])
+        raise AssertionError(f"{where}: max error {worst:.3g} > tol {tol:.3g} (torch's {theirs:.3g}) at "
+                             f"[{i}, {j}]: got {out[i, j].item()}, want {ref[i, j].item()}")
+
+
+def _cases():
+    cases = []
+    for M, N, K in [(1, 4096, 4096), (3, 1000, 136), (9, 136, 1000), (16, 11008, 4096), (17, 1000, 520),
+                    (64, 1024, 1024)]:
+        for i, config in enumerate(gluon_small_m.candidates(M, N, K, torch.bfloat16)):
+            cases.append(pytest.param(M, N, K, config, id=f"{M}x{N}x{K}-{i}"))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
+@pytest.mark.parametrize("M, N, K, config", _cases())
+def test_every_candidate_matches_float64(M, N, K, config):
+    for dtype, bias, activation in ((torch.bfloat16, True, "relu"), (torch.float16, False, "none")):
+        x, w, b = make(M, N, K, dtype)
+        b = b if bias else None
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        gluon_small_m.launch(x, w, b, activation, out, config)
+        check(out, x, w, b, activation, f"{config} {dtype} bias={bias} {activation}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
+def test_split_k_is_deterministic():
+    x, w, b = make(5, 4096, 4096, torch.bfloat16)
+    config = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, STAGES=8, num_warps=4)
+    outs = []
+    for _ in range(4):
+        out = torch.full((5, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+        outs.append(gluon_small_m.launch(x, w, b, "relu", out, config))
+    for i, out in enumerate(outs[1:], 1):
+        assert torch.equal(out, outs[0]), f"run {i} differs from run 0 (split-K order not fixed)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
+@pytest.mark.parametrize("M", [1, 6, 40])
+def test_dependent_launches_with_weight_prefetch_in_a_cuda_graph(M):
+    # Three layers in one CUDA graph, each a programmatic dependent launch that reads its first W
+    # tiles before waiting for the previous layer: a layer that read X before that wait would see
+    # stale values (the previous replay's, or the NaN poison).
+    widths = (1536, 1000, 2048, 520)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+          for k, n in zip(widths, widths[1:])]
+    bs = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in widths[1:]]
+    x = torch.randn(M, widths[0], device="cuda", generator=g).to(torch.bfloat16)
+    outs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in widths[1:]]
+    configs = [gluon_small_m.candidates(M, n, k, torch.bfloat16)[-1] for k, n in zip(widths, widths[1:])]
+
+    def chain():
+        h = x
+        for i, (w, b, out, config) in enumerate(zip(ws, bs, outs, configs)):
+            h = gluon_small_m.launch(h, w, b, "relu" if i < len(ws) - 1 else "none", out, config, pdl=True,
+                                     prefetch_weight=True)
+        return h
+
+    chain()  # compile outside the capture (and make the split-K counters)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for seed in range(3):
+        x.copy_(torch.randn(M, widths[0], device="cuda", generator=g).to(torch.bfloat16))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        h = x
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            h = F.linear(h, w, b)
+            h = torch.relu(h) if i < len(ws) - 1 else h
+        # Three bf16 layers: a few bf16 roundings of the largest value (torch rounds each layer too).
+        err = (outs[-1].float() - h.float()).abs().max().item()
+        assert err <= 0.05 * h.float().abs().max().item(), f"M={M} replay {seed}: max error {err}"
