@@ -43,7 +43,7 @@ MAX_PROGRAMS = 1100
 # Gluon swap-AB tiles (BLOCK_N, BLOCK_K), each with the deepest ring that fits (64 x 128 also 4 deep).
 GLUON_TILES = ((64, 64), (64, 128), (64, 256), (128, 64), (128, 128), (128, 256))
 GLUON_PLAN = ((1, 4096, 4096), (16, 4096, 4096), (4, 4096, 4096), (64, 4096, 4096), (1, 1024, 1024),
-              (8, 1024, 1024), (32, 4096, 4096), (1, 11008, 4096), (16, 8192, 8192))
+              (8, 1024, 1024), (32, 4096, 4096), (128, 4096, 4096), (1, 11008, 4096), (16, 8192, 8192))
 
 
 def sweep_configs(M, N):
@@ -97,7 +97,7 @@ def sweep_shape(M, N, K, emit, deadline, gluon=False):
     else:
         module = small_m if M <= 64 else tma_persistent
         configs = sweep_configs(M, N) if M <= 64 else tma_persistent.CONFIGS
-    first = (True, M <= 64)
+    first = (True, M <= 64 and not gluon)  # the Gluon kernel has no weight prefetch
     timings = []
     for config in configs:
         if time.monotonic() > deadline:
@@ -107,7 +107,7 @@ def sweep_shape(M, N, K, emit, deadline, gluon=False):
         if us is not None:
             timings.append((us, config))
     for _, config in sorted(timings, key=lambda t: t[0])[:3]:
-        for variant in {(False, False), (True, False), (True, M <= 64)} - {first}:
+        for variant in {(False, False), (True, False), first} - {first}:
             us, err = timed(launcher(module, config, *variant), sets, M, N, K)
             emit(dict(M=M, N=N, K=K, impl=module.NAME, cfg=config, pdl=variant[0], pre=variant[1], us=us, err=err))
     del sets

@@ -17,6 +17,9 @@ SMALL_M_MAX = 64
 # Up to here (an H200 is memory-bound below M ~ 200 at N=K=4096) tiled GEMMs may leave SMs idle or
 # re-read W; the weight-streaming kernel with split-K competes with them in the tuner.
 MID_M_MAX = 512
+# Up to here the Gluon swap-AB weight-streaming kernel (Hopper) competes: its X tile is wgmma's n
+# side, and 128 keeps the accumulator of a 64-row W tile at 64 registers a thread.
+GLUON_SMALL_M_MAX = 128
 # Autotune keys bucket M up to this; larger batches share the biggest bucket's choice.
 M_BUCKET_CAP = 4096
 
@@ -43,7 +46,7 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
          TMA cannot read).
       2. ``SMALL_M_MAX < M <= MID_M_MAX``: ``triton_small_m`` is added as a second candidate.
       3. Hopper, fp16/bf16, ``tma_aligned`` and ``gluon_ok``: ``gluon_wgmma`` is added (any M), and
-         ``gluon_small_m`` (swap-AB weight streaming through TMA) when ``M <= SMALL_M_MAX``.
+         ``gluon_small_m`` (swap-AB weight streaming through TMA) when ``M <= GLUON_SMALL_M_MAX``.
     """
     hopper_16bit = capability is not None and capability[0] == 9 and dtype in (torch.float16, torch.bfloat16)
     if M <= SMALL_M_MAX:
@@ -55,7 +58,7 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
     if SMALL_M_MAX < M <= MID_M_MAX:
         kernels.append(SMALL_M)
     if hopper_16bit and tma_aligned and gluon_ok:
-        if M <= SMALL_M_MAX:
+        if M <= GLUON_SMALL_M_MAX:
             kernels.append(GLUON_SMALL_M)
         kernels.append(GLUON)
     return tuple(kernels)

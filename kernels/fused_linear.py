@@ -95,10 +95,10 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
                          "GPU or the interpreter")
     gluon_small = name == dispatch.GLUON_SMALL_M
     if name in (dispatch.GLUON, dispatch.GLUON_SMALL_M) and not (
-            aligned and selection.gluon_ok(M, N, K, x2d.dtype, x2d.device) and (not gluon_small or M <= dispatch.SMALL_M_MAX)):
+            aligned and selection.gluon_ok(M, N, K, x2d.dtype, x2d.device) and (not gluon_small or M <= dispatch.GLUON_SMALL_M_MAX)):
         raise ValueError(f"name {name!r}: the Gluon kernel is unavailable or does not accept "
                          f"M={M} N={N} K={K} {x2d.dtype} on {x2d.device}"
-                         + (f" (it takes at most {dispatch.SMALL_M_MAX} rows)" if gluon_small else ""))
+                         + (f" (it takes at most {dispatch.GLUON_SMALL_M_MAX} rows)" if gluon_small else ""))
     chosen, config = selection.choose((name,), x2d, weight, bias, activation)
     return selection.launch(chosen, config, x2d, weight, bias, activation).reshape(*lead, N)
 

@@ -1,15 +1,20 @@
-"""Hopper (sm_90) weight streaming for small batches, in Gluon: ``Y = act(X @ W^T + b)``, M <= 64.
+"""Hopper (sm_90) weight streaming for small batches, in Gluon: ``Y = act(X @ W^T + b)``, M <= 128.
 
 Below a few hundred rows a layer is bound by reading W once (32 MiB for a 4096 x 4096 bf16 layer;
 7.8 us on an H200), so everything here serves that stream. "Swap AB": each wgmma computes a
 ``[BLOCK_N, BLOCK_M]`` tile of Y^T = W @ X^T, so W's rows fill the instruction's 64-row side and
-the batch only its narrow side (n = 8 or 16: M is padded to 8, not to 64 as a plain tiling pads it).
-Each program owns ``BLOCK_N`` rows of W and one of ``SPLIT_K`` slices of K. TMA brings W and X
-tiles into a ring of ``STAGES`` shared-memory slots, one mbarrier each: a handful of bulk copies
-keep ~100-200 KB in flight per SM where a cp.async pipeline issues one 16-byte load per thread per
-row. With programmatic dependent launch and a weight no kernel writes (``prefetch_weight``), the
-W half of the ring is filled before waiting for the previous kernel, so a layer's stream starts
-while the layer before it finishes.
+the batch only its narrow side (n = 8 to 128: M is padded to 8, not to 64 as a plain tiling pads
+it). Each program owns ``BLOCK_N`` rows of W and one of ``SPLIT_K`` slices of K. TMA brings W and
+X tiles into a ring of ``STAGES`` shared-memory slots, one mbarrier each: a few bulk copies keep
+~150-200 KB in flight per SM where a cp.async pipeline issues one 16-byte load per thread per row.
+
+Measured on an H200 (bf16, N=K=4096, cold L2, bench/small_m_sweep.py --kernel gluon, 2026-12-02):
+9.6 us at M=1 and 4, 9.9 us at M=16, 11.0 us at M=64, against 11.3-12.9 us for the Triton
+weight-streaming kernel and 12.5-13.1 us for cuBLASLt. The best tiles were 64 x 256 with 5 stages
+on only 64 programs (N / 64, unsplit): more programs did not add bandwidth. As a programmatic
+dependent launch it waits for the previous kernel before any load: filling the W half of the
+ring before that wait (as the Triton kernel's ``prefetch_weight`` does) measured 0.4-0.5 us
+slower at every shape, so this kernel does not.
 
 Split-K partial sums go to an fp32 workspace; the last split of each tile to arrive (a counter per
 tile) adds them in split order (deterministic) and applies bias and activation, in this launch.
@@ -32,13 +37,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import small_m
+from kernels import dispatch, small_m
 from kernels.gluon_linear import _TORCH_TO_GL, _activation
 
 NAME = "gluon_small_m"
-# Rows of X one program multiplies each W tile by (wgmma's n: 8 to 256; 64 keeps the fp32
-# accumulator of a 128-row W tile at 64 registers a thread).
-MAX_M = 64
+MAX_M = dispatch.GLUON_SMALL_M_MAX  # rows of X each W tile is multiplied by (wgmma's n side)
 INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
 
 # Shared memory the ring may fill (an sm_90 SM has 227 KB; the rest is for barriers and spills).
@@ -50,25 +53,26 @@ def block_m(M):
     return max(8, triton.next_power_of_2(M))
 
 
-def _split_ways(n_tiles, k_tiles):
-    """Split-K factors that fill an H200's 132 SMs about once or twice, each split >= 2 K tiles."""
-    ways = [s for s in (1, 2, 4, 8) if s == 1 or s * 2 <= k_tiles]
-    fill = [s for s in ways if n_tiles * s <= 2 * 132]
-    return (fill or ways[:1])[-2:]
+# (BLOCK_K, STAGES) of the 64-row W tiles worth timing (None: the deepest ring that fits). From the
+# sweep: 256 deep won at M <= 16 and for narrow layers, 128 deep with a deep ring at M = 32 and 64,
+# and with a 4-deep ring for the widest layer timed (N=11008).
+_DEPTHS = ((256, None), (128, None), (128, 4), (64, None))
 
 
 def candidates(M, N, K, dtype):
-    """Configs worth timing: 64- and 128-row W tiles, 128 or 256 deep, a ring as deep as shared
-    memory allows, and the two split-K factors that bring the grid closest to one or two waves."""
+    """Configs worth timing: 64-row W tiles at the depths of ``_DEPTHS``, each unsplit and split in
+    two (where each half keeps >= 2 K tiles): at N = 4096 that is 64 or 128 programs."""
     bm = block_m(M)
     configs = []
-    for block_n, block_k in ((64, 128), (64, 256), (128, 128)):
-        stage_bytes = (block_n + bm) * block_k * 2
-        stages = min(12, _SMEM_BUDGET // stage_bytes)
-        if stages < 3:
+    for block_k, stages in _DEPTHS:
+        deepest = min(12, _SMEM_BUDGET // ((64 + bm) * block_k * 2))
+        stages = deepest if stages is None else min(stages, deepest)
+        if stages < 3 or (block_k == 64 and M <= 64):  # 64 deep only pays where X's tile is wide
             continue
-        for s in _split_ways(triton.cdiv(N, block_n), triton.cdiv(K, block_k)):
-            configs.append(dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s, STAGES=stages, num_warps=4))
+        for s in (1, 2):
+            config = dict(BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=s, STAGES=stages, num_warps=4)
+            if (s == 1 or triton.cdiv(K, block_k) >= 2 * s) and config not in configs:
+                configs.append(config)
     return configs
 
 
@@ -100,8 +104,7 @@ def gluon_small_m_kernel(
     M, N, K, stride_ym,
     # meta-parameters
     HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-    USE_PDL: gl.constexpr,  # launched as a programmatic dependent launch: wait before reading X
-    PREFETCH_W: gl.constexpr,  # W is constant: fill the W half of the ring before that wait
+    USE_PDL: gl.constexpr,  # launched as a programmatic dependent launch: wait before any load
     num_warps: gl.constexpr,
 ):
     """Y[m, n] = act(sum_k X[m, k] W[n, k] + b[n]) for this program's BLOCK_N columns and K slice."""
@@ -128,22 +131,11 @@ def gluon_small_m_kernel(
         mbarrier.init(ready.index(s), count=1)
     fence_async_shared()  # barrier initialisation must be visible to the TMA unit
 
-    # Prologue: the first STAGES - 1 slots. Each barrier expects both tiles' bytes, so the W copy
-    # may go out now and the X copy after the wait, and the slot is ready when both have landed.
-    for s in gl.static_range(STAGES - 1):
-        pred = s < n_k
-        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [off_n, (kt_start + s) * BLOCK_K], ready.index(s),
-                                        w_bufs.index(s), pred)
-        if not PREFETCH_W:
-            tma.async_copy_global_to_shared(x_desc, [0, (kt_start + s) * BLOCK_K], ready.index(s),
-                                            x_bufs.index(s), pred)
     if USE_PDL:
         _gdc_launch_dependents_then_wait()
-    if PREFETCH_W:
-        for s in gl.static_range(STAGES - 1):
-            tma.async_copy_global_to_shared(x_desc, [0, (kt_start + s) * BLOCK_K], ready.index(s),
-                                            x_bufs.index(s), s < n_k)
+    # Prologue: the first STAGES - 1 slots.
+    for s in gl.static_range(STAGES - 1):
+        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, s, off_n, (kt_start + s) * BLOCK_K, s < n_k)
 
     # Main loop: the wgmma on slot i overlaps the copies into the other STAGES - 1 slots.
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
@@ -155,12 +147,7 @@ def gluon_small_m_kernel(
         # At most one wgmma in flight: tile i - 1 is consumed, so its slot takes tile i + STAGES - 1.
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         nxt = i + STAGES - 1
-        pred = nxt < n_k
-        refill = nxt % STAGES
-        k = (kt_start + nxt) * BLOCK_K
-        mbarrier.expect(ready.index(refill), w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(refill), w_bufs.index(refill), pred)
-        tma.async_copy_global_to_shared(x_desc, [0, k], ready.index(refill), x_bufs.index(refill), pred)
+        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, nxt % STAGES, off_n, (kt_start + nxt) * BLOCK_K, nxt < n_k)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -190,6 +177,15 @@ def gluon_small_m_kernel(
 
 
 @gluon.jit
+def _issue(w_desc, x_desc, w_bufs, x_bufs, ready, slot, off_n, k, pred):
+    # The W and X tiles at k into ring slot `slot`; its barrier completes when both have landed.
+    bar = ready.index(slot)
+    mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_bufs.index(slot), pred)
+    tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_bufs.index(slot), pred)
+
+
+@gluon.jit
 def _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS: gl.constexpr,
               ACTIVATION: gl.constexpr):
     # Bias and activation while the accumulator is still in fp32, then one store of the tile.
@@ -215,9 +211,9 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
     """Run on checked arguments (``kernels.selection`` calls every kernel family this way): ``x
     [M, K]``, ``weight [N, K]`` fp16/bf16 with TMA-aligned rows, ``out [M, N]`` with unit column
     stride, 1 <= M <= MAX_M, on a Hopper GPU. ``config`` comes from ``candidates``. ``pdl``: launch
-    as a programmatic dependent launch; ``prefetch_weight`` (with ``pdl``): read W before waiting for
-    the previous kernel, only for a weight that no earlier kernel still writes.
-    ``input_precision``/``upcast_bf16`` are accepted for the common signature (16-bit only here)."""
+    as a programmatic dependent launch. ``input_precision``, ``upcast_bf16`` and ``prefetch_weight``
+    are taken for the signature every kernel family shares and not used: 16-bit inputs only, and
+    no weight prefetch (measured slower, see the module docstring)."""
     M, K = x.shape
     N = weight.shape[0]
     if not 1 <= M <= MAX_M:
@@ -241,5 +237,5 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
         gluon_small_m_kernel[grid](
             w_desc, x_desc, bias if bias is not None else out, out, part, locks, M, N, K, out.stride(0),
             HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=split, STAGES=config["STAGES"],
-            USE_PDL=pdl, PREFETCH_W=pdl and prefetch_weight, num_warps=config["num_warps"], **meta)
+            USE_PDL=pdl, num_warps=config["num_warps"], **meta)
     return out

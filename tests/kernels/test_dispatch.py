@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernels import autotune_cache
-from kernels.dispatch import (GLUON, GLUON_SMALL_M, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED, TMA_PERSISTENT,
-                              candidate_kernels, m_bucket)
+from kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED,
+                              TMA_PERSISTENT, candidate_kernels, m_bucket)
 
 HOPPER = (9, 0)
 AMPERE = (8, 0)
@@ -55,7 +55,8 @@ def test_gluon_weight_streaming_competes_at_small_batches_on_hopper(M):
     assert GLUON_SMALL_M not in kernels_for(M, torch.float32, gluon_ok=True)
     assert GLUON_SMALL_M not in kernels_for(M, gluon_ok=True, tma_aligned=False)
     assert GLUON_SMALL_M not in kernels_for(M, capability=AMPERE, gluon_ok=True)
-    assert GLUON_SMALL_M not in kernels_for(SMALL_M_MAX + 1, gluon_ok=True)
+    assert kernels_for(GLUON_SMALL_M_MAX, gluon_ok=True) == (TMA_PERSISTENT, SMALL_M, GLUON_SMALL_M, GLUON)
+    assert GLUON_SMALL_M not in kernels_for(GLUON_SMALL_M_MAX + 1, gluon_ok=True)
 
 
 @pytest.mark.parametrize("kwargs", [

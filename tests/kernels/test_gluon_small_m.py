@@ -40,7 +40,7 @@ def test_candidates_fit_and_split_sensibly(M, N, K):
         assert c["SPLIT_K"] == 1 or k_tiles >= 2 * c["SPLIT_K"], f"{c}: {k_tiles} K tiles"
 
 
-@pytest.mark.parametrize("M, expected", [(1, 8), (7, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64)])
+@pytest.mark.parametrize("M, expected", [(1, 8), (7, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64), (100, 128)])
 def test_x_tile_rows(M, expected):
     assert gluon_small_m.block_m(M) == expected
 
@@ -48,16 +48,16 @@ def test_x_tile_rows(M, expected):
 def test_launch_rejects_what_it_cannot_run():
     w = torch.zeros(256, 128, dtype=torch.bfloat16)
     config = gluon_small_m.candidates(1, 256, 128, torch.bfloat16)[0]
-    out = torch.empty(65, 256, dtype=torch.bfloat16)
+    out = torch.empty(129, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows"):
-        gluon_small_m.launch(torch.zeros(65, 128, dtype=torch.bfloat16), w, None, "relu", out, config)
+        gluon_small_m.launch(torch.zeros(129, 128, dtype=torch.bfloat16), w, None, "relu", out, config)
     with pytest.raises(TypeError, match="bf16"):
         gluon_small_m.launch(torch.zeros(3, 128), w.float(), None, "relu", out[:3].float(), config)
 
 
 # ---------------------------------------------------------------- sm_90 compile checks (CPU, CI)
 
-@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 4096, 4096), (64, 1000, 136)])
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 4096, 4096), (64, 1000, 136), (128, 4096, 4096)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
     from kernels._sm90 import ptxas_usage
@@ -108,7 +108,7 @@ def check(out, x, w, b, activation, where):
 def _cases():
     cases = []
     for M, N, K in [(1, 4096, 4096), (3, 1000, 136), (9, 136, 1000), (16, 11008, 4096), (17, 1000, 520),
-                    (64, 1024, 1024)]:
+                    (64, 1024, 1024), (100, 1000, 1000), (128, 4096, 4096)]:
         for i, config in enumerate(gluon_small_m.candidates(M, N, K, torch.bfloat16)):
             cases.append(pytest.param(M, N, K, config, id=f"{M}x{N}x{K}-{i}"))
     return cases
@@ -141,11 +141,11 @@ def test_split_k_is_deterministic():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
-@pytest.mark.parametrize("M", [1, 6, 40])
-def test_dependent_launches_with_weight_prefetch_in_a_cuda_graph(M):
-    # Three layers in one CUDA graph, each a programmatic dependent launch that reads its first W
-    # tiles before waiting for the previous layer: a layer that read X before that wait would see
-    # stale values (the previous replay's, or the NaN poison).
+@pytest.mark.parametrize("M", [1, 6, 40, 128])
+def test_dependent_launches_in_a_cuda_graph(M):
+    # Three layers in one CUDA graph, each a programmatic dependent launch that lets the next layer
+    # start launching before it ends: a layer that read X before waiting for the previous one would
+    # see stale values (the previous replay's, or the NaN poison).
     widths = (1536, 1000, 2048, 520)
     g = torch.Generator(device="cuda").manual_seed(M)
     ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
@@ -158,8 +158,7 @@ def test_dependent_launches_with_weight_prefetch_in_a_cuda_graph(M):
     def chain():
         h = x
         for i, (w, b, out, config) in enumerate(zip(ws, bs, outs, configs)):
-            h = gluon_small_m.launch(h, w, b, "relu" if i < len(ws) - 1 else "none", out, config, pdl=True,
-                                     prefetch_weight=True)
+            h = gluon_small_m.launch(h, w, b, "relu" if i < len(ws) - 1 else "none", out, config, pdl=True)
         return h
 
     chain()  # compile outside the capture (and make the split-K counters)
