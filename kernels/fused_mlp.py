@@ -20,6 +20,7 @@ Every layer's weights are packed into one buffer (``pack_mlp``) once, when the r
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -88,7 +89,7 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
 
 def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict:
     """The first tile config tried for one ``[M, N]`` layer output, and the one used wherever
-    nothing is timed (the interpreter, an untuned layer inside a graph capture). Small batches are
+    nothing is timed (the interpreter, a batch bucket ``tune_chain`` has not tuned). Small batches are
     latency-bound: narrow tiles, so a layer gets many programs (a 256-wide layer at batch 1 gets 16),
     each streaming a slice of W. Larger batches start from 64x64 tiles. Then tiles are halved
     (N first) until the grid covers ``sms`` SMs (132 on an H200) or they reach 16x16: a layer that
@@ -120,10 +121,14 @@ _FMA_ELEMENTS = 16384
 
 
 def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 132) -> list[dict]:
-    """Tile configs the first launch at a batch bucket times (``fused_mlp_config`` first). Up to
-    16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep (64 deep for a
-    narrow K, 256 deep with 2 warps for the normalizing layer of a 1024-wide model) and FMA tiles
-    as narrow as the batch; past that, the tiles around the default."""
+    """Tile configs ``tune_chain`` times for one layer (``fused_mlp_config`` first), at most 7.
+    Up to 16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep
+    (``bench/fused_mlp_sweep.py``; 64 deep for a narrow K, 256 deep with 2 warps for the
+    normalizing layer of a 1024-wide model) and FMA tiles as narrow as the batch. Past that, the
+    tiles around the default and the wider ones that won single layers of the sweep at batch 64 and
+    512 (up to 3x faster alone than the SM-filling default): alone they mispredict the chain (the
+    digits chain at batch 512 got slower with them, 40 -> 63 us), so only ``tune_chain``, which times
+    the whole chain, may pick them."""
     configs = [fused_mlp_config(M, N, dtype, sms)]
 
     def add(block_m, block_n, block_k, num_warps, fma=False):
@@ -142,16 +147,29 @@ def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 
     elif M <= 64:
         add(16, 16, 128, 4)
         add(32, 32, 64, 4)
+        # The batch-64 winners (mlp4x1024, bf16): 16x64 and 16x32 128 deep, 32x64. fp32 16x64 tiles
+        # 64 deep: 128 deep the normalizing layer's fp32 input tile spills on sm_90.
+        add(16, 64, 64 if dtype == torch.float32 else 128, 4)
+        add(16, 32, 128, 4)
+        add(32, 64, 64, 4)
+        if M > 32:  # (64-row tiles would be half padding at 32 rows or fewer)
+            add(64, 16, 128, 4)
     else:
         deep = 32 if dtype == torch.float32 else 64
         add(64, 64, deep, 8)
         add(32, 64, deep, 4)
+        # The batch-512 winners (digits, fp32): 16x64 tiles 32 or 64 deep, 32x32.
+        add(16, 64, deep, 4)
+        add(16, 64, 64, 4)
+        add(32, 32, deep, 4)
     return configs
 
 
 def _tune_key(M: int, packed: PackedMLP, index: int) -> str:
     # What the compiled kernel and its timing depend on: the batch bucket, the layer's shape, dtype
-    # and fp32 dot precision, and whether it normalizes its input and applies the activation.
+    # and fp32 dot precision, and whether it normalizes its input and applies the activation. Not
+    # the layers around it, which its time in the chain also depends on: the first chain that
+    # tunes a key keeps it (tune_chain).
     K, N = packed.widths[index], packed.widths[index + 1]
     dtype = packed.weights.dtype
     role = ("normalize+" if index == 0 else "") + (packed.activation if index < packed.num_layers - 1 else "none")
@@ -160,40 +178,72 @@ def _tune_key(M: int, packed: PackedMLP, index: int) -> str:
 
 
 def _timed_config(M: int, packed: PackedMLP, index: int, device: torch.device) -> dict | None:
-    """The config timed for this layer's batch bucket on this GPU model, or None."""
+    """The config ``tune_chain`` stored for this layer's batch bucket on this GPU model, or None."""
     if device.type != "cuda":
         return None
     tuned = autotune_cache.device_cache(torch.cuda.get_device_name(device)).get(_tune_key(M, packed, index))
     return None if tuned is None else dict(tuned)
 
 
+def _default_config(M: int, packed: PackedMLP, index: int, device: torch.device) -> dict:
+    """``fused_mlp_config`` for layer ``index`` on ``device``."""
+    return fused_mlp_config(M, packed.widths[index + 1], packed.weights.dtype, sm_count(device))
+
+
 def layer_config(M: int, packed: PackedMLP, index: int, device) -> dict:
-    """The config layer ``index`` launches with at ``M`` rows on ``device``: the tuned one once its
-    batch bucket has been timed here, else ``fused_mlp_config``."""
+    """The config layer ``index`` launches with at ``M`` rows on ``device`` when given none: the one
+    ``tune_chain`` stored once it has tuned this batch bucket here, else ``fused_mlp_config``."""
     device = torch.device(device)
-    tuned = _timed_config(M, packed, index, device)
-    return tuned or fused_mlp_config(M, packed.widths[index + 1], packed.weights.dtype, sm_count(device))
+    return _timed_config(M, packed, index, device) or _default_config(M, packed, index, device)
 
 
-def _tuned_config(h, packed, index, shift, scale, pdl) -> dict:
-    """``layer_config``, timing ``fused_mlp_candidates`` first where this batch bucket is new here
-    (never inside a CUDA-graph capture, where timing would break it: the default runs there)."""
-    M, device = h.shape[0], h.device
-    if device.type != "cuda":
-        return layer_config(M, packed, index, device)
-    tuned = _timed_config(M, packed, index, device)
-    if tuned is not None:
-        return tuned
-    K, N = packed.widths[index], packed.widths[index + 1]
-    candidates = fused_mlp_candidates(M, N, K, packed.weights.dtype, sm_count(device))
-    if torch.cuda.is_current_stream_capturing():
-        return candidates[0]
-    # Timed as served: back-to-back launches of this layer replayed in a CUDA graph, its weights
-    # left in L2 (a narrow model's weights stay there between batches).
-    _, best = autotune_cache.time_configs(
-        candidates, lambda config: fused_mlp_layer(h, packed, index, shift, scale, config=config, pdl=pdl))
-    autotune_cache.device_cache(torch.cuda.get_device_name(device)).put(_tune_key(M, packed, index), best)
-    return dict(best)
+def descend_chain(candidates: list[list[dict]], run, timer=None) -> list[dict]:
+    """Per-layer configs for a chain of layers, by coordinate descent on the whole chain's time.
+
+    ``candidates[i]``: layer i's configs, its default first. ``run(configs)`` runs the whole chain
+    once with one config per layer. Starting from every layer's default, each layer in turn times
+    ``run`` with each of its candidates in its place and the other layers at their current choice
+    (``autotune_cache.time_configs`` with ``timer``, CUDA-graph replays by default; on equal times
+    the earlier candidate wins) and keeps the fastest. A layer with one candidate is not timed.
+    """
+    # One pass: each layer's step times the current choice too, so the chain never ends slower
+    # than the defaults (as timed). A second pass would revisit layers whose later neighbours
+    # changed after their step, at twice the warm-up; not measured to pay.
+    chosen = [layer[0] for layer in candidates]
+    for index, layer in enumerate(candidates):
+        if len(layer) > 1:
+            _, chosen[index] = autotune_cache.time_configs(
+                layer, lambda config, index=index: run([*chosen[:index], config, *chosen[index + 1:]]), timer)
+    return chosen
+
+
+def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: torch.Tensor) -> list[dict]:
+    """Every layer's config for the whole MLP on ``x`` ``[M, K_0]`` (raw float32, as ``fused_mlp``
+    takes it), tuning the batch bucket of ``M`` first where some layer has no tuned config on this
+    GPU model yet.
+
+    Tuning: ``descend_chain`` over ``fused_mlp_candidates``, timed as served (CUDA-graph replays of
+    back-to-back ``fused_mlp`` calls on ``x``, the weights left in L2, where a narrow model's stay
+    between batches); every winner is stored in the tune cache under its layer's key. A layer that
+    already has a tuned config (another model with that layer shape and role tuned it) keeps it, as
+    the one candidate of its step: launches captured since may use it. Nothing is timed on the CPU
+    (``layer_config`` of each layer) or inside a CUDA-graph capture, which timing would break
+    (stored configs, ``fused_mlp_config`` for the rest).
+    """
+    x = _checked_input(x, packed, 0, shift, scale)  # the errors a launch raises, before any timing
+    M, device = x.shape[0], x.device
+    tuned = [_timed_config(M, packed, index, device) for index in range(packed.num_layers)]
+    if device.type != "cuda" or None not in tuned or torch.cuda.is_current_stream_capturing():
+        return [config or _default_config(M, packed, index, device) for index, config in enumerate(tuned)]
+    dtype, sms = packed.weights.dtype, sm_count(device)
+    candidates = [[config] if config is not None else fused_mlp_candidates(M, N, K, dtype, sms)
+                  for config, (K, N) in zip(tuned, pairwise(packed.widths))]
+    configs = descend_chain(candidates, lambda configs: fused_mlp(x, packed, shift, scale, configs))
+    cache = autotune_cache.device_cache(torch.cuda.get_device_name(device))
+    for index, config in enumerate(configs):
+        if tuned[index] is None:
+            cache.put(_tune_key(M, packed, index), config)
+    return [dict(config) for config in configs]
 
 
 def sm_count(device) -> int:
@@ -289,23 +339,15 @@ def _fused_mlp_layer_kernel(
              acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch.Tensor,
-                    scale: torch.Tensor, config: dict | None = None, pdl: bool | None = None) -> torch.Tensor:
-    """Layer ``index`` of a packed MLP, one launch: ``[M, K_index] -> [M, N_index]`` in the model dtype.
-
-    Layer 0 takes the raw float32 input and applies ``(h - shift) * scale`` (float32 ``[K_0]``)
-    while loading it; later layers take the previous layer's output and ignore shift/scale.
-    Every layer but the last applies ``packed.activation``. ``config``: tile sizes (default:
-    ``layer_config``, after timing ``fused_mlp_candidates`` at the first launch of a new batch
-    bucket on a GPU). ``pdl``: launch with programmatic dependent launch (None: wherever
-    ``pdl_supported``).
-    """
+def _checked_input(h, packed: PackedMLP, index: int, shift, scale) -> torch.Tensor:
+    """``h`` with a unit column stride, once every argument of a launch of layer ``index`` checks out
+    (TypeError or ValueError naming the first that does not)."""
     if not isinstance(h, torch.Tensor):
         raise TypeError(f"h must be a torch.Tensor, got {type(h).__name__}")
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < packed.num_layers:
         raise ValueError(f"index must be a layer number in [0, {packed.num_layers}), got {index!r}")
     dtype = packed.weights.dtype
-    K, N = packed.widths[index], packed.widths[index + 1]
+    K = packed.widths[index]
     want_dtype = torch.float32 if index == 0 else dtype
     if h.dtype != want_dtype or h.dim() != 2 or h.shape[1] != K or h.shape[0] < 1:
         raise ValueError(f"h must be {want_dtype} [M >= 1, {K}] for layer {index}, got {h.dtype} "
@@ -324,12 +366,28 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
                 raise ValueError(f"{name} must be a contiguous float32 [{K}] tensor on {h.device}, "
                                  f"got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{list(getattr(t, 'shape', []))}")
-    M = h.shape[0]
+    return h
+
+
+def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch.Tensor,
+                    scale: torch.Tensor, config: dict | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """Layer ``index`` of a packed MLP, one launch: ``[M, K_index] -> [M, N_index]`` in the model dtype.
+
+    Layer 0 takes the raw float32 input and applies ``(h - shift) * scale`` (float32 ``[K_0]``)
+    while loading it; later layers take the previous layer's output and ignore shift/scale.
+    Every layer but the last applies ``packed.activation``. ``config``: tile sizes (default:
+    ``layer_config``: the config ``tune_chain`` chose for this batch bucket in the whole chain, or
+    ``fused_mlp_config`` until it has run; a layer alone is never timed, since alone it mispredicts
+    its time in the chain). ``pdl``: launch with programmatic dependent launch (None: wherever
+    ``pdl_supported``).
+    """
+    h = _checked_input(h, packed, index, shift, scale)
+    M, N, dtype = h.shape[0], packed.widths[index + 1], packed.weights.dtype
     if pdl is None:
         pdl = pdl_supported(h.device)
     elif pdl and not pdl_supported(h.device):
         raise ValueError(f"pdl=True needs a CUDA device of compute capability >= 9.0, got {h.device}")
-    config = dict(_tuned_config(h, packed, index, shift, scale, pdl) if config is None else config)
+    config = dict(layer_config(M, packed, index, h.device) if config is None else config)
     config.setdefault("FMA", False)
     config.setdefault("num_stages", 3)
     interpreting = h.device.type == "cpu"
@@ -344,7 +402,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         h, packed.weights[w_offset:], packed.biases[b_offset:], out,
         shift if normalize else h, scale if normalize else h,  # unread unless NORMALIZE
         # Sizes are plain ints: Triton turns any that equals 1 (M at batch 1) into a constant.
-        M, N, K, h.stride(0), out.stride(0),
+        M, N, packed.widths[index], h.stride(0), out.stride(0),
         NORMALIZE=normalize,
         ACTIVATION=packed.activation if index < packed.num_layers - 1 else "none",
         INPUT_PRECISION="ieee" if fp32_ieee or interpreting else "tf32",
@@ -357,11 +415,16 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
     return out
 
 
-def fused_mlp(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor,
-              scale: torch.Tensor) -> torch.Tensor:
+def fused_mlp(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: torch.Tensor,
+              configs: list[dict] | None = None) -> torch.Tensor:
     """The whole MLP on raw inputs: ``x [M, K_0]`` float32 -> ``[M, N_last]`` in the model dtype,
-    one ``fused_mlp_layer`` launch per layer."""
+    one ``fused_mlp_layer`` launch per layer. ``configs``: one per layer (default: ``tune_chain``'s,
+    which tunes the chain at the first call in a new batch bucket on a GPU)."""
+    if configs is None:
+        configs = tune_chain(x, packed, shift, scale)
+    elif len(configs) != packed.num_layers:
+        raise ValueError(f"configs must hold one config per layer ({packed.num_layers}), got {len(configs)}")
     h = x
-    for index in range(packed.num_layers):
-        h = fused_mlp_layer(h, packed, index, shift, scale)
+    for index, config in enumerate(configs):
+        h = fused_mlp_layer(h, packed, index, shift, scale, config=config)
     return h

@@ -37,8 +37,9 @@ class ModelRunner:
     there) never change real rows; they are computed and dropped.
 
     ``warmup()`` warms every bucket: each candidate path runs once (autotuning its kernels at that
-    shape), then on CUDA one CUDA graph per path is captured (only after tuning: timing configs
-    inside a capture would break it). If a capture fails, the runner logs why and launches eagerly.
+    shape; the fused path's layers are tuned together first, ``kernels.fused_mlp.tune_chain``), then
+    on CUDA one CUDA graph per path is captured (only after tuning: timing configs inside a capture
+    would break it). If a capture fails, the runner logs why and launches eagerly.
 
     Paths (``PATHS``): with the triton backend a bucket runs either "fused" (``kernels.fused_mlp``:
     one launch per layer, the input normalization fused into the first) or "layers" (normalization,
@@ -324,6 +325,11 @@ class ModelRunner:
         with torch.no_grad():
             for path in tuple(self._candidates):
                 try:
+                    if path == "fused":  # its layers' configs, timed in the whole chain
+                        from kernels.fused_mlp import tune_chain
+
+                        tune_chain(self._input[:bucket], self._packed, self.model.input_shift,
+                                   self.model.input_scale)
                     self._forward(bucket, None, path)  # the first launch at this shape autotunes/compiles
                 except Exception:
                     if len(self._candidates) == 1:

@@ -1,7 +1,9 @@
 """The fused MLP (one launch per layer, normalization fused into the first) against a layer-by-layer
-torch reference (interpreter on the CPU, the real kernel on a GPU), its argument checks, and its
-sm_90 compile (no register spills)."""
+torch reference (interpreter on the CPU, the real kernel on a GPU), its argument checks, its chain
+tuner (coordinate descent on a fake timer; the real one on a GPU), and its sm_90 compile (no
+register spills)."""
 
+import json
 import os
 import re
 import subprocess
@@ -12,14 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
+import kernels.fused_mlp
+from kernels import autotune_cache
 from kernels.fused_mlp import (
+    _tune_key,
+    descend_chain,
     fused_mlp,
     fused_mlp_candidates,
     fused_mlp_config,
     fused_mlp_layer,
+    layer_config,
     pack_mlp,
     pdl_supported,
+    sm_count,
+    tune_chain,
 )
 
 
@@ -158,6 +168,129 @@ def test_bad_arguments_are_rejected():
         fused_mlp_layer([[0.0] * 3], packed, 0, shift, scale)
 
 
+def cost_timer(call):
+    """A ``time_configs`` timer for a ``run`` that returns its own cost in ms: every sample is it."""
+    return lambda repeats: [call() for _ in range(repeats)]
+
+
+def tiles(*names):
+    return [{"tile": name} for name in names]
+
+
+def test_descent_keeps_what_is_fastest_in_the_chain_not_alone():
+    (a0, a1, a2), (b0, b1) = tiles("a0", "a1", "a2"), tiles("b0", "b1")
+    # Layer 0's a1 is its fastest alone, but costs 5 more next to layer 1's b0 (an interaction
+    # that timing a layer alone cannot see): per-layer picks [a1, b0] take 10, slower than the
+    # defaults' 7, as the wide tiles picked alone made the digits chain at batch 512.
+    alone = {"a0": 4, "a1": 2, "a2": 3, "b0": 3, "b1": 3.5}
+    timed = []
+
+    def run(configs):
+        names = tuple(c["tile"] for c in configs)
+        timed.append(names)
+        return sum(alone[n] for n in names) + (5 if names == ("a1", "b0") else 0)
+
+    assert descend_chain([[a0, a1, a2], [b0, b1]], run, cost_timer) == [a2, b0]
+    # Layer 0 timed against layer 1's default, then layer 1 against layer 0's pick (a2), never a1
+    # or a0: one pass, so the best chain of all, [a1, b1] (5.5), is not on its path.
+    assert list(dict.fromkeys(timed)) == [("a0", "b0"), ("a1", "b0"), ("a2", "b0"), ("a2", "b1")]
+
+
+def test_descent_is_deterministic_on_ties_and_skips_configs_that_do_not_fit():
+    (c0,), (d, x, y, big) = tiles("c0"), tiles("d", "x", "y", "big")
+    cost = {"d": 2.0, "x": 1.0, "y": 1.0}
+    timed = []
+
+    def run(configs):
+        timed.append(tuple(c["tile"] for c in configs))
+        if configs[1] is big:  # too much shared memory, as a launch on the GPU raises it
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return cost[configs[1]["tile"]]
+
+    picks = [descend_chain([[c0], [d, x, y, big]], run, cost_timer) for _ in range(3)]
+    assert picks == [[c0, x]] * 3, "equal times: the earlier candidate, every time"
+    assert {names[0] for names in timed} == {"c0"}, "a layer with one candidate stays put"
+    assert descend_chain([[d, x, y]], lambda configs: 1.0, cost_timer) == [d], "all equal: the default"
+    assert descend_chain([[c0], [d]], lambda configs: pytest.fail("timed a chain with no choice"),
+                         cost_timer) == [c0, d]
+
+
+def test_tune_chain_on_the_cpu_returns_the_defaults_untimed(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the GPU version is test_tune_chain_stores_one_config_per_layer_on_gpu")
+    monkeypatch.setattr(kernels.fused_mlp, "descend_chain", lambda *args: pytest.fail("timed on the CPU"))
+    widths = (17, 70, 3, 5)
+    weights, biases, shift, scale = random_mlp(widths, torch.float32, "cpu")
+    packed = pack_mlp(weights, biases, "relu")
+    x = torch.randn(20, 17)
+    configs = tune_chain(x, packed, shift, scale)
+    assert configs == [fused_mlp_config(20, n, torch.float32, sms=1) for n in widths[1:]]
+    assert configs == [layer_config(20, packed, i, "cpu") for i in range(3)]
+    torch.testing.assert_close(fused_mlp(x, packed, shift, scale), fused_mlp(x, packed, shift, scale, configs),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"h must be torch.float32 \[M >= 1, 17\] for layer 0"):
+        tune_chain(torch.randn(2, 4), packed, shift, scale)
+    with pytest.raises(ValueError, match="one config per layer"):
+        fused_mlp(x, packed, shift, scale, configs[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, dtype, tol", [
+    (100, torch.float32, 1e-4),  # past 64 rows; TF32 off: summation order only
+    (17, torch.bfloat16, 6e-2),  # 17 to 64 rows; bf16 (2**-8) rounded at each layer
+])
+def test_tune_chain_stores_one_config_per_layer_on_gpu(rows, dtype, tol, tmp_path, monkeypatch):
+    cache = autotune_cache.TuneCache(torch.cuda.get_device_name(), tmp_path)  # nothing tuned yet
+    monkeypatch.setattr(autotune_cache, "device_cache", lambda name: cache)
+    widths = (64, 256, 256, 10)
+    weights, biases, shift, scale = random_mlp(widths, dtype, "cuda")
+    packed = pack_mlp(weights, biases, "relu")
+    x = 3 * torch.randn(rows, widths[0], device="cuda")
+    configs = tune_chain(x, packed, shift, scale)
+    stored = json.loads(cache.path.read_text())
+    assert stored == {_tune_key(rows, packed, i): configs[i] for i in range(3)}, stored
+    for i, config in enumerate(configs):
+        assert config in fused_mlp_candidates(rows, widths[i + 1], widths[i], dtype, sm_count("cuda")), config
+    monkeypatch.setattr(autotune_cache, "time_configs", lambda *args: pytest.fail("timed a tuned bucket"))
+    assert tune_chain(x, packed, shift, scale) == configs
+    got = fused_mlp(x, packed, shift, scale)  # launches the stored configs
+    torch.testing.assert_close(got, fused_mlp(x, packed, shift, scale, configs), rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), reference_mlp(x, weights, biases, shift, scale).float(),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_tune_chain_keeps_a_layer_another_chain_tuned(tmp_path, monkeypatch):
+    cache = autotune_cache.TuneCache(torch.cuda.get_device_name(), tmp_path)
+    monkeypatch.setattr(autotune_cache, "device_cache", lambda name: cache)
+    descents = []
+
+    def recorded_descent(candidates, run, timer=None):
+        descents.append(candidates)
+        return descend_chain(candidates, run, timer)
+
+    monkeypatch.setattr(kernels.fused_mlp, "descend_chain", recorded_descent)
+    weights, biases, shift, scale = random_mlp((64, 256, 256, 10), torch.float32, "cuda")
+    packed = pack_mlp(weights, biases, "relu")
+    # Layer 1 as another model with the same layer shape and role left it: a non-default candidate.
+    pinned = fused_mlp_candidates(100, 256, 256, torch.float32, sm_count("cuda"))[-1]
+    cache.put(_tune_key(100, packed, 1), pinned)
+    configs = tune_chain(torch.randn(100, 64, device="cuda"), packed, shift, scale)
+    assert configs[1] == pinned and cache.get(_tune_key(100, packed, 1)) == pinned
+    assert len(descents) == 1 and descents[0][1] == [pinned] and len(descents[0][0]) > 1, descents
+    assert all(cache.get(_tune_key(100, packed, i)) == configs[i] for i in (0, 2))
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 17, 32, 33, 64, 65, 512, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidates_start_at_the_default_and_stay_few(M, dtype):
+    configs = fused_mlp_candidates(M, 256, 256, dtype)
+    assert configs[0] == fused_mlp_config(M, 256, dtype)
+    assert 3 <= len(configs) <= 7, configs  # each is timed in the whole chain at warm-up
+    assert all(configs.count(c) == 1 for c in configs), configs
+    assert all(c["BLOCK_M"] == 16 or c["BLOCK_M"] < 2 * M for c in configs), f"tiles mostly padding: {configs}"
+
+
 @pytest.mark.parametrize("M", [1, 3, 17, 64, 100, 130, 512, 4096])
 @pytest.mark.parametrize("N", [1, 10, 70, 256, 4096])
 def test_config_fills_the_sms_or_is_as_narrow_as_tl_dot_allows(M, N):
@@ -168,54 +301,58 @@ def test_config_fills_the_sms_or_is_as_narrow_as_tl_dot_allows(M, N):
     assert programs >= 132 or (bm, bn) == (16, 16), f"M={M} N={N}: {programs} programs with {config}"
 
 
-# Compiles the layer kernel for sm_90 as a launch would (kernels._sm90) and prints what the tests
-# check. Run in a child process: under TRITON_INTERPRET=1 (this session's CPU set-up) kernels are
-# interpreted objects that cannot compile.
+# Compiles the layer kernel for sm_90 as a launch would (kernels._sm90) with every tuning candidate
+# of one layer, and prints one line per config with what the tests check. Run in a child process:
+# under TRITON_INTERPRET=1 (this session's CPU set-up) kernels are interpreted objects that cannot
+# compile.
 COMPILE_SM90 = """
 import sys, torch
 from triton.runtime.jit import MockTensor
 from kernels._sm90 import compile_sm90, ptxas_usage
-from kernels.fused_mlp import _fused_mlp_layer_kernel, fused_mlp_candidates
+from kernels.fused_mlp import _fused_mlp_layer_kernel, config_str, fused_mlp_candidates
 
 rows, N, dtype, normalize = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 K = 256  # a hidden width; a multiple of 16, as the launcher's aligned loads assume
-# The default config (the first candidate), or with "fma" the first FMA candidate.
-config = next(c for c in fused_mlp_candidates(rows, N, K, torch_dtype) if c["FMA"] == (sys.argv[5] == "fma"))
 src = MockTensor(torch.float32 if normalize else torch_dtype, [rows, K])  # layer 0 reads raw fp32
 w, b, dst = MockTensor(torch_dtype, [N, K]), MockTensor(torch_dtype, [N]), MockTensor(torch_dtype, [rows, N])
 shift, scale = MockTensor(torch.float32, [K]), MockTensor(torch.float32, [K])
-meta = dict(NORMALIZE=normalize, ACTIVATION="relu", UPCAST_BF16=False, USE_PDL=True, STAGES=config["num_stages"],
-            INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **config)
-compiled = compile_sm90(_fused_mlp_layer_kernel, (src, w, b, dst, shift, scale, rows, N, K, K, N), meta)
-ptx = compiled.asm["ptx"]
-registers, spills = ptxas_usage(compiled)
-print("has_mma", "mma" in ptx, "fma", config["FMA"], "k_steps", -(-K // config["BLOCK_K"]), "has_gdc", "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx,
-      "has_cp_async", "cp.async" in ptx, "registers", registers, "spills", spills)
+for config in fused_mlp_candidates(rows, N, K, torch_dtype):
+    meta = dict(NORMALIZE=normalize, ACTIVATION="relu", UPCAST_BF16=False, USE_PDL=True, STAGES=config["num_stages"],
+                INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **config)
+    compiled = compile_sm90(_fused_mlp_layer_kernel, (src, w, b, dst, shift, scale, rows, N, K, K, N), meta)
+    ptx = compiled.asm["ptx"]
+    registers, spills = ptxas_usage(compiled)
+    print(config_str(config), "has_mma", "mma" in ptx, "k_steps", -(-K // config["BLOCK_K"]),
+          "has_gdc", "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx,
+          "has_cp_async", "cp.async" in ptx, "registers", registers, "spills", spills)
 """
 
 
-# (rows, N, tile) giving each fused_mlp_config tile family on an H200: 16x16 (batch 1, a 10-wide
-# layer at 4096), 32x32, 32x16 and 64x64; the normalizing first layer at batch 1 and 4096; and the
-# FMA candidates with the most registers a thread (1 and 8 rows: their widest K tiles).
-@pytest.mark.parametrize("rows, N, normalize, tile", [
-    (1, 256, True, "dot"), (64, 4096, False, "dot"), (512, 256, False, "dot"), (4096, 256, True, "dot"),
-    (4096, 10, False, "dot"), (1, 256, True, "fma"), (8, 256, False, "fma")])
+# (rows, N) giving each range of fused_mlp_candidates and each fused_mlp_config tile family on an
+# H200: up to 16 rows (16x16 tiles, FMA tiles as narrow as 1 and 8 rows, with their widest K tiles),
+# 17 to 64 (32x32 defaults at 64 rows of a 4096-wide layer, 16x16 at 256 wide; 64-row tiles from 33
+# rows), past 64 (32x16 and 64x64 defaults, 16x16 for a 10-wide layer); the normalizing first layer
+# (its fp32 input tile takes the most registers) in each range.
+@pytest.mark.parametrize("rows, N, normalize", [
+    (1, 256, True), (8, 256, False), (17, 256, True), (64, 256, True), (64, 4096, False),
+    (512, 256, False), (4096, 256, True), (4096, 10, False)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_compiles_for_sm90_without_register_spills(rows, N, normalize, tile, dtype):
-    # A GPU is not needed to compile for one: this keeps the default config spill-free, and FMA ones.
+def test_every_candidate_compiles_for_sm90_without_register_spills(rows, N, normalize, dtype):
+    # A GPU is not needed to compile for one: this keeps every config the tuner may pick spill-free.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", COMPILE_SM90, str(rows), str(N), dtype,
-                             "1" if normalize else "0", tile],
-                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run([sys.executable, "-c", COMPILE_SM90, str(rows), str(N), dtype, "1" if normalize else "0"],
+                            env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, f"compile failed:\n{result.stderr[-3000:]}"
-    report = result.stdout
-    assert "has_gdc True" in report, "no griddepcontrol: layers would not overlap launches on sm_90"
-    if "k_steps 1 " not in report:  # (one K step: the whole layer is the peeled first step)
-        assert "has_cp_async True" in report, "no cp.async: the k loop's loads are not pipelined"
-    if dtype == "bf16" and tile == "dot":
-        assert "has_mma True" in report, "bf16 layers should run on tensor cores"
-    spills = re.search(r"spills (\d+)", report)
-    assert spills is not None, f"no spill count in:\n{report}"
-    assert int(spills.group(1)) == 0, f"rows={rows} N={N} {dtype}: {report}"
+    reports = result.stdout.splitlines()
+    assert len(reports) == len(fused_mlp_candidates(rows, N, 256, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]))
+    for report in reports:
+        assert "has_gdc True" in report, f"no griddepcontrol: layers would not overlap launches on sm_90: {report}"
+        if "k_steps 1 " not in report:  # (one K step: the whole layer is the peeled first step)
+            assert "has_cp_async True" in report, f"no cp.async: the k loop's loads are not pipelined: {report}"
+        if dtype == "bf16" and "FMA=False" in report:
+            assert "has_mma True" in report, f"bf16 layers should run on tensor cores: {report}"
+        spills = re.search(r"spills (\d+)", report)
+        assert spills is not None, f"no spill count in:\n{report}"
+        assert int(spills.group(1)) == 0, f"rows={rows} N={N} normalize={normalize} {dtype}: {report}"

@@ -129,6 +129,29 @@ def test_triton_backend_under_the_interpreter_matches_torch(fused):
     assert all((t.kernel == "triton_fused_mlp") is fused for t in sink.timings), sink.timings
 
 
+def test_fused_warmup_tunes_the_chain_on_the_bucket_before_its_first_launch(monkeypatch):
+    import kernels.fused_mlp
+
+    calls = []
+    tune_chain, fused_mlp_layer = kernels.fused_mlp.tune_chain, kernels.fused_mlp.fused_mlp_layer
+
+    def recorded_tune_chain(x, packed, shift, scale):
+        assert packed is runner._packed and x.data_ptr() == runner.input_buffer.data_ptr()
+        calls.append(("tune", x.shape[0]))
+        return tune_chain(x, packed, shift, scale)
+
+    def recorded_layer(h, packed, index, *args, **kwargs):
+        calls.append(("layer", h.shape[0], index))
+        return fused_mlp_layer(h, packed, index, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.fused_mlp, "tune_chain", recorded_tune_chain)
+    monkeypatch.setattr(kernels.fused_mlp, "fused_mlp_layer", recorded_layer)
+    runner = ModelRunner(make_model(backend="triton"), max_batch_size=2, fused=True)
+    runner.warmup()
+    assert calls == [(kind, *rest) for bucket in (1, 2)
+                     for kind, *rest in [("tune", bucket), *(("layer", bucket, i) for i in range(3))]], calls
+
+
 def test_fused_is_only_automatic_with_the_triton_backend():
     runner = ModelRunner(make_model(), max_batch_size=4)
     assert not runner.fused

@@ -5,6 +5,8 @@ Kept fast on purpose: every bucket of every layer on the "layers" path tunes ker
 kernel per tile config, so its tests afford a few buckets (padding 3 rows to 4 included).
 """
 
+import json
+
 import pytest
 import torch
 
@@ -158,6 +160,26 @@ def test_compute_replays_the_graph_run_uses():
     assert 4 in runner._graphs and out.device.type == "cuda" and out.shape == (4, OUT)
     # The same captured graph on the same rows: bitwise equal.
     torch.testing.assert_close(out[:3].float().cpu(), via_run, rtol=0, atol=0)
+
+
+def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp_path, monkeypatch):
+    from kernels import autotune_cache, fused_mlp
+
+    cache = autotune_cache.TuneCache(torch.cuda.get_device_name(), tmp_path)  # nothing tuned yet
+    monkeypatch.setattr(autotune_cache, "device_cache", lambda name: cache)
+    sink = ListSink()
+    runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, timing_sink=sink,
+                         timing_sample_every=1, timing_min_interval_s=0, fused=True)
+    runner.warmup()
+    keys = {fused_mlp._tune_key(bucket, runner._packed, i) for bucket in runner.buckets for i in (0, 1)}
+    assert set(json.loads(cache.path.read_text())) == keys, "warm-up chain-tunes every layer of every bucket"
+    for rows in (1, 3, 5):
+        runner.run(torch.randn(rows, IN))
+    runner.flush_timings()
+    assert len(sink.timings) == 6, sink.timings
+    for t in sink.timings:  # the configs the captured graphs launch: the chain-tuned ones
+        index = int(t.layer.removeprefix("layers."))
+        assert t.config == fused_mlp.config_str(cache.get(fused_mlp._tune_key(t.M, runner._packed, index))), t
 
 
 def test_automatic_choice_leaves_out_a_path_that_fails(monkeypatch, caplog):
