@@ -2,7 +2,7 @@
 # One pass over everything that needs the GPU: GPU tests, kernel and model benchmarks, and an
 # end-to-end server check. Run on the GPU host from the repository root:
 #   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick e2e model kernels kernels-full load
-#                                         sweep gluon-sweep mlp-sweep profile
+#                                         sweep gluon-sweep mlp-sweep profile fp32
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -82,7 +82,9 @@ for s in "${stages[@]}"; do
             ${MLP_SWEEP_ONLY:+--only $MLP_SWEEP_ONLY} ;;
         gluon-sweep) stage gluon-sweep 300 python3 bench/small_m_sweep.py --kernel gluon --budget-s 240 \
             --out "$out/gluon_small_m_sweep_h200.jsonl" ;;
+        fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_h200.json' &&
+            FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag h200_tf32x3 --out '$out'" ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
-        *) echo "unknown stage: $s (env tests tests-quick e2e model kernels kernels-full load sweep gluon-sweep mlp-sweep profile)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (env tests tests-quick e2e model kernels kernels-full load sweep gluon-sweep mlp-sweep profile fp32)" | tee -a "$log" ;;
     esac
 done

@@ -1,5 +1,7 @@
-"""Pieces every Triton kernel family here shares: programmatic dependent launch (PDL) and the
-tensor-core step."""
+"""Pieces every Triton kernel family here shares: programmatic dependent launch (PDL), the
+tensor-core step and its float32 precision."""
+
+import os
 
 import torch
 import triton
@@ -14,6 +16,30 @@ def pdl_supported(device) -> bool:
     that way wherever it is supported, so back-to-back layers do not pay a launch gap."""
     device = torch.device(device)
     return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+FP32_PRECISION_ENV = "FUSEDSERVE_FP32_PRECISION"
+FP32_PRECISIONS = ("ieee", "tf32x3")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for inputs of ``dtype`` (16-bit dots ignore it).
+
+    float32 follows torch: "tf32" where ``torch.backends.cuda.matmul.allow_tf32`` allows TF32 for
+    matmuls; otherwise ``FUSEDSERVE_FP32_PRECISION``: "ieee" (the default: exact fp32 products on
+    the CUDA cores, as torch's SGEMM computes them) or "tf32x3" (each operand split into two TF32
+    halves and three tensor-core products summed: near-fp32 accuracy at tensor-core speed). The
+    interpreter computes exact fp32 products whatever is asked; "ieee" keys its tuning."""
+    if dtype != torch.float32:
+        return "tf32"
+    if interpreting():
+        return "ieee"
+    if torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    choice = os.environ.get(FP32_PRECISION_ENV, "ieee")
+    if choice not in FP32_PRECISIONS:
+        raise ValueError(f"{FP32_PRECISION_ENV} must be one of {FP32_PRECISIONS}, got {choice!r}")
+    return choice
 
 
 @triton.jit

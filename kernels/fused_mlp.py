@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels import autotune_cache, dispatch
 from kernels.activations import ACTIVATIONS, apply_activation
-from kernels.common import dot_acc, launch_dependents_then_wait, pdl_supported
+from kernels.common import dot_acc, dot_precision, launch_dependents_then_wait, pdl_supported
 
 NAME = "triton_fused_mlp"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -173,8 +173,8 @@ def _tune_key(M: int, packed: PackedMLP, index: int) -> str:
     K, N = packed.widths[index], packed.widths[index + 1]
     dtype = packed.weights.dtype
     role = ("normalize+" if index == 0 else "") + (packed.activation if index < packed.num_layers - 1 else "none")
-    precision = "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
-    return f"{NAME}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}|{role}|{precision}"
+    return (f"{NAME}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}|{role}"
+            f"|{dot_precision(dtype)}")
 
 
 def _timed_config(M: int, packed: PackedMLP, index: int, device: torch.device) -> dict | None:
@@ -393,7 +393,6 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
     interpreting = h.device.type == "cpu"
     out = torch.empty(M, N, device=h.device, dtype=dtype)
     w_offset, b_offset = packed.offsets[index]
-    fp32_ieee = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
     normalize = index == 0
     if pdl:
@@ -405,7 +404,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         M, N, packed.widths[index], h.stride(0), out.stride(0),
         NORMALIZE=normalize,
         ACTIVATION=packed.activation if index < packed.num_layers - 1 else "none",
-        INPUT_PRECISION="ieee" if fp32_ieee or interpreting else "tf32",
+        INPUT_PRECISION=dot_precision(dtype),
         # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
         UPCAST_BF16=interpreting and dtype == torch.bfloat16,
         USE_PDL=pdl,

@@ -11,7 +11,7 @@ import torch
 
 from kernels import autotune_cache, dispatch, small_m, tiled, tma_persistent
 from kernels.arguments import interpreting
-from kernels.common import pdl_supported
+from kernels.common import dot_precision, pdl_supported
 
 LAUNCHERS = {m.NAME: m for m in (tiled, small_m, tma_persistent)}
 
@@ -54,18 +54,11 @@ def candidates(M, N, K, dtype, device, tma_aligned):
                                       gluon_ok=tma_aligned and gluon_ok(M, N, K, dtype, device))
 
 
-def input_precision(dtype):
-    """``tl.dot`` precision: fp32 inputs use TF32 only when torch allows it for matmuls."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
 def _tune_key(kernels, M, N, K, dtype, static_weight):
     # The candidate set is part of the key: a different set (Gluon missing, say) is tuned afresh.
     # So is the weight prefetch, which changes the kernels' timing and shared memory.
     return (f"{'+'.join(kernels)}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}"
-            f"|{input_precision(dtype)}" + ("|static_weight" if static_weight else ""))
+            f"|{dot_precision(dtype)}" + ("|static_weight" if static_weight else ""))
 
 
 def cached_choice(kernels, M, N, K, dtype, device, static_weight=False):
@@ -78,7 +71,7 @@ def cached_choice(kernels, M, N, K, dtype, device, static_weight=False):
 
 def _launch_kw(x2d, static_weight):
     pdl = pdl_supported(x2d.device)
-    return dict(input_precision=input_precision(x2d.dtype),
+    return dict(input_precision=dot_precision(x2d.dtype),
                 upcast_bf16=interpreting() and x2d.dtype == torch.bfloat16,
                 pdl=pdl, prefetch_weight=pdl and static_weight)
 
