@@ -18,15 +18,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import small_m, tiled, tma_persistent
 from kernels._sm90 import compile_sm90
+from kernels.common import FP32_PRECISIONS
 from kernels.activations import ACTIVATIONS
 
 
-def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True):
+def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, precision="ieee"):
     """Compile what ``module.launch`` would run for this shape (mock tensors, bias present), as a
-    programmatic dependent launch (with the weight prefetch, where the kernel has one) or not."""
+    programmatic dependent launch (with the weight prefetch, where the kernel has one) or not.
+    ``precision``: fp32 dots' ``input_precision`` (16-bit dots ignore it)."""
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     common = dict(HAS_BIAS=True, ACTIVATION=activation, UPCAST_BF16=False)
-    precision = dict(INPUT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    precision = dict(INPUT_PRECISION=precision if dtype == torch.float32 else "tf32")
     pdl_flags = dict(USE_PDL=pdl)
     if module is tiled:
         return [compile_sm90(tiled._tiled_linear_kernel, (x, w, b, y, M, N, K, K, K, N),
@@ -50,38 +52,41 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True):
 
 
 def plan():
-    """(module, M, N, K, dtype, config, activation): every candidate of every kernel, in bf16 and
-    (where it runs fp32) in fp32, and each activation once."""
+    """(module, M, N, K, dtype, config, activation, precision): every candidate of every kernel, in
+    bf16 and (where it runs fp32) in fp32 at both ``kernels.common.FP32_PRECISIONS``, and each
+    activation once."""
     jobs = []
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (3, 4096, 4096)),
                               (small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
                               (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704))):
-        jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu") for cfg in module.candidates(M, N, K, torch.bfloat16)]
+        jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu", "tf32") for cfg in module.candidates(M, N, K, torch.bfloat16)]
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (5, 1000, 704)), (small_m, (16, 1000, 704)),
                               (small_m, (300, 1000, 704)), (tiled, (300, 1000, 704))):
-        jobs += [(module, M, N, K, torch.float32, cfg, "relu") for cfg in module.candidates(M, N, K, torch.float32)]
-    jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704, torch.float16)[0], act)
+        jobs += [(module, M, N, K, torch.float32, cfg, "relu", precision) for cfg in module.candidates(M, N, K, torch.float32)
+                 for precision in FP32_PRECISIONS
+                 if precision == "ieee" or not cfg.get("GEMV")]  # (the GEMV has no dot: exact products)
+    jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704, torch.float16)[0], act, "tf32")
              for module in (small_m, tiled, tma_persistent) for act in ACTIVATIONS]
     gemv = next(cfg for cfg in small_m.candidates(3, 1000, 704, torch.float16) if cfg.get("GEMV"))
-    jobs += [(small_m, 3, 1000, 704, torch.float16, gemv, act) for act in ACTIVATIONS]
+    jobs += [(small_m, 3, 1000, 704, torch.float16, gemv, act, "tf32") for act in ACTIVATIONS]
     return jobs
 
 
 def main():
     failures = 0
-    for module, M, N, K, dtype, config, activation in plan():
+    for module, M, N, K, dtype, config, activation, precision in plan():
         start = time.perf_counter()
         try:
-            compiled = compile_launch(module, M, N, K, dtype, config, activation)
+            compiled = compile_launch(module, M, N, K, dtype, config, activation, precision=precision)
         except Exception as e:  # reported and counted: the exit status says a compile failed
             failures += 1
             # A CompilationError's own text is source context; its cause says what went wrong.
             reason = e.__cause__ if e.__cause__ is not None else e
-            print(f"FAIL {module.NAME} {M}x{N}x{K} {dtype} {activation} {config}: {type(reason).__name__}: "
+            print(f"FAIL {module.NAME} {M}x{N}x{K} {dtype} {precision} {activation} {config}: {type(reason).__name__}: "
                   f"{str(reason)[:500]}", flush=True)
             continue
         shared = max(c.metadata.shared for c in compiled)
-        print(f"ok   {module.NAME} {M}x{N}x{K} {dtype} {activation} {config}: shared {shared} B, "
+        print(f"ok   {module.NAME} {M}x{N}x{K} {dtype} {precision} {activation} {config}: shared {shared} B, "
               f"{time.perf_counter() - start:.1f} s", flush=True)
     print(f"{failures} failed", flush=True)
     return 1 if failures else 0

@@ -53,9 +53,10 @@ def fused_linear(x, weight, bias=None, activation="relu", *, static_weight=False
 
     x: ``[..., K]``; weight: ``[N, K]`` (``nn.Linear`` layout); bias: ``[N]`` or None; activation:
     one of ``ACTIVATIONS`` ("gelu" is the tanh approximation). float32/float16/bfloat16, all the
-    same dtype; returns ``[..., N]`` in x's dtype. float32 uses TF32 only when
-    ``torch.backends.cuda.matmul.allow_tf32`` is True. CUDA tensors, or CPU tensors under
-    ``TRITON_INTERPRET=1``. The first call for a new batch bucket on a GPU times the candidate
+    same dtype; returns ``[..., N]`` in x's dtype. float32 is as accurate as torch's: plain TF32
+    only when ``torch.backends.cuda.matmul.allow_tf32`` is True, else 3xTF32 on the tensor cores
+    (or exact CUDA-core products with ``FUSEDSERVE_FP32_PRECISION=ieee``; see
+    ``kernels.common.dot_precision``). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The first call for a new batch bucket on a GPU times the candidate
     kernels and configs (``kernels.tune`` does that ahead of time).
 
     On compute capability 9.0+ the kernels are programmatic dependent launches (they wait for the

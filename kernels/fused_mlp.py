@@ -102,7 +102,7 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict
         block_m, block_n, block_k = 16, 16, 128
     elif M <= 64:
         block_m, block_n, block_k = 32, 32, 64
-    else:  # fp32 dots are FMA loops (TF32 off), 16-bit ones tensor-core steps of 16 in k
+    else:  # fp32 dots are FMA loops or three TF32 products a step, 16-bit ones tensor-core steps of 16 in k
         block_m, block_n, block_k = 64, 64, 32 if dtype == torch.float32 else 64
     while triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < sms and max(block_m, block_n) > 16:
         if block_n >= block_m:
@@ -162,6 +162,11 @@ def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 
         add(16, 64, deep, 4)
         add(16, 64, 64, 4)
         add(32, 32, deep, 4)
+    if dot_precision(dtype) == "tf32x3":
+        # 3xTF32 holds a high and a low TF32 copy of both operand tiles in registers: the tiles
+        # above 1280 elements a warp spilled on sm_90 (tests/kernels/test_fused_mlp.py).
+        configs = [c for c in configs
+                   if c["FMA"] or (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] <= 1280 * c["num_warps"]]
     return configs
 
 

@@ -432,3 +432,27 @@ def test_static_weight_reaches_the_launch_as_a_weight_prefetch(monkeypatch, stat
     x, w, b = make(3, 17, 33, torch.float32)
     assert_matches(fused_linear(x, w, b, "relu", static_weight=static_weight), x, w, b, "relu")
     assert seen and all(s == (True, static_weight) for s in seen), seen
+
+
+def test_fp32_dot_precision_follows_torch_and_the_environment(monkeypatch):
+    from kernels.common import FP32_PRECISION_ENV, dot_precision
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter always says "ieee")
+    monkeypatch.delenv(FP32_PRECISION_ENV, raising=False)
+    matmul, old = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        assert dot_precision(torch.float32) == "tf32x3"  # the default: as accurate as SGEMM, tensor cores
+        monkeypatch.setenv(FP32_PRECISION_ENV, "ieee")
+        assert dot_precision(torch.float32) == "ieee"
+        assert dot_precision(torch.bfloat16) == "tf32"  # (16-bit dots ignore it)
+        matmul.allow_tf32 = True
+        assert dot_precision(torch.float32) == "tf32"  # torch allows TF32: so do we, whatever is set
+        matmul.allow_tf32 = False
+        monkeypatch.setenv(FP32_PRECISION_ENV, "tf32")  # plain TF32 only through torch's own flag
+        with pytest.raises(ValueError, match=f"{FP32_PRECISION_ENV} must be one of"):
+            dot_precision(torch.float32)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv(FP32_PRECISION_ENV, "tf32x3")
+        assert dot_precision(torch.float32) == "ieee"
+    finally:
+        matmul.allow_tf32 = old

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels import dispatch, fused_linear, kernel_choice, small_m, tiled, tma_persistent
+from kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
 
 pytestmark = pytest.mark.gpu
 
@@ -112,13 +113,17 @@ def test_no_bias_no_activation(dtype):
 
 
 def _candidates(module, M, N, K, dtype=torch.bfloat16):
-    return [pytest.param(module, M, N, K, dtype, cfg, id=f"{module.NAME}-{M}x{N}x{K}-{str(dtype)[6:]}-{i}")
-            for i, cfg in enumerate(module.candidates(M, N, K, dtype))]
+    # fp32 at both precisions its dots may run at (the GEMV has no dot: one run covers it).
+    precisions = FP32_PRECISIONS if dtype == torch.float32 else ("tf32",)
+    return [pytest.param(module, M, N, K, dtype, cfg, precision,
+                         id=f"{module.NAME}-{M}x{N}x{K}-{str(dtype)[6:]}-{precision}-{i}")
+            for i, cfg in enumerate(module.candidates(M, N, K, dtype))
+            for precision in precisions if precision != "tf32x3" or not cfg.get("GEMV")]
 
 
 # Every config the tuner may pick must be right, not just the winner on this GPU. bf16 for the
-# tensor-core configs (fp16 takes the same code path), fp32 for the FMA ones.
-@pytest.mark.parametrize("module,M,N,K,dtype,config",
+# tensor-core configs (fp16 takes the same code path), fp32 for the FMA and 3xTF32 ones.
+@pytest.mark.parametrize("module,M,N,K,dtype,config,precision",
                          _candidates(small_m, 1, 4096, 4096) + _candidates(small_m, 3, 4096, 4096)
                          + _candidates(small_m, 5, 4096, 4096) + _candidates(small_m, 64, 1000, 700)
                          + _candidates(small_m, 300, 1000, 704) + _candidates(tiled, 300, 1000, 700)
@@ -126,16 +131,16 @@ def _candidates(module, M, N, K, dtype=torch.bfloat16):
                          + _candidates(small_m, 1, 1000, 700, torch.float32)
                          + _candidates(small_m, 5, 1000, 700, torch.float32)
                          + _candidates(tiled, 300, 1000, 700, torch.float32))
-def test_every_candidate_config(module, M, N, K, dtype, config):
+def test_every_candidate_config(module, M, N, K, dtype, config, precision):
     if module is tma_persistent and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA kernel is dispatched on Hopper only")
     x, w, b = make(M, N, K, dtype)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
     try:
-        module.launch(x, w, b, "relu", out, config, input_precision="ieee", upcast_bf16=False)
+        module.launch(x, w, b, "relu", out, config, input_precision=precision, upcast_bf16=False)
     except triton_resource_errors() as e:
         pytest.skip(f"config does not fit this GPU (the tuner skips it too): {e}")
-    check(out, x, w, b, "relu", f"{module.NAME} {config} {dtype}")
+    check(out, x, w, b, "relu", f"{module.NAME} {config} {dtype} {precision}")
 
 
 def triton_resource_errors():
@@ -143,20 +148,21 @@ def triton_resource_errors():
     return (OutOfResources, PTXASError)
 
 
-@pytest.mark.parametrize("allow_tf32", [False, True])
-def test_fp32_follows_torch_tf32_flag(allow_tf32):
+@pytest.mark.parametrize("allow_tf32, precision", [(False, "tf32x3"), (False, "ieee"), (True, "tf32x3")])
+def test_fp32_follows_torch_tf32_flag(allow_tf32, precision, monkeypatch):
+    monkeypatch.setenv(FP32_PRECISION_ENV, precision)  # (ignored where TF32 is allowed)
     x, w, b = make(64, 1024, 4096, torch.float32)
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
         for big in (x, torch.cat([x] * 3)):  # M=64 (small-M kernel) and M=192 (tiled kernel)
             out = fused_linear(big, w, b, "relu")
-            check(out, big, w, b, "relu", f"fp32 M={big.shape[0]} allow_tf32={allow_tf32}")
+            check(out, big, w, b, "relu", f"fp32 M={big.shape[0]} allow_tf32={allow_tf32} {precision}")
             if not allow_tf32:
-                # IEEE fp32: about 1e-6 relative at K=4096; TF32 would be ~1e-3.
+                # Exact fp32 products or 3xTF32: about 1e-6 relative at K=4096; TF32 would be ~1e-3.
                 rel = ((out.double() - reference(big, w, b, "relu")).abs().max()
                        / reference(big, w, b, "relu").abs().max()).item()
-                assert rel < 1e-5, f"fp32 with allow_tf32=False: relative error {rel:.3g} looks like TF32"
+                assert rel < 1e-5, f"fp32 with allow_tf32=False ({precision}): relative error {rel:.3g} looks like TF32"
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 

@@ -18,6 +18,7 @@ from triton.runtime.errors import OutOfResources
 
 import kernels.fused_mlp
 from kernels import autotune_cache
+from kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
 from kernels.fused_mlp import (
     _tune_key,
     descend_chain,
@@ -90,7 +91,9 @@ def run_with_candidate(x, packed, shift, scale, pick):
 
 @pytest.mark.parametrize("widths, rows", [((17, 70, 3, 5), 1), ((3, 70, 5), 3), ((100, 9), 16), ((20, 70, 3), 17), ((20, 70, 3), 65)])
 @pytest.mark.parametrize("dtype, tol", [
-    (torch.float32, 1e-5),  # exact fp32 products on both sides: summation order only
+    # exact fp32 products on both sides (on a GPU ours may be 3xTF32, ~2**-22 a product): summation
+    # order, mostly
+    (torch.float32, 1e-5),
     (torch.bfloat16, 3e-2),  # one bf16 ulp is 2**-8 relative, rounded at each layer
 ])
 def test_every_candidate_tile_matches_the_reference(widths, rows, dtype, tol):
@@ -110,11 +113,17 @@ def test_every_candidate_tile_matches_the_reference(widths, rows, dtype, tol):
 @pytest.mark.parametrize("widths", [(64, 256, 256, 10), (100, 512, 70, 1030, 3), (130, 17)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 100, 130, 1000])  # every tile config
 @pytest.mark.parametrize("dtype, tol", [
-    (torch.float32, 1e-4),  # TF32 off (torch's default): ieee on both sides, summation order only
+    # TF32 off (torch's default): torch's products are exact, ours exact or 3xTF32 (2**-22 or so
+    # relative a product, kernels.common.dot_precision); the rest is summation order
+    (torch.float32, 1e-4),
     (torch.float16, 1e-2),  # fp16 outputs (2**-11) rounded at each layer, K up to 1030
     (torch.bfloat16, 6e-2),  # bf16 (2**-8) at each layer; both sides accumulate in fp32
 ])
-def test_fused_mlp_matches_layer_by_layer_on_gpu(widths, rows, dtype, tol):
+@pytest.mark.parametrize("fp32_precision", FP32_PRECISIONS)
+def test_fused_mlp_matches_layer_by_layer_on_gpu(widths, rows, dtype, tol, fp32_precision, monkeypatch):
+    if dtype != torch.float32 and fp32_precision != FP32_PRECISIONS[0]:
+        pytest.skip("16-bit dots have one precision")
+    monkeypatch.setenv(FP32_PRECISION_ENV, fp32_precision)
     check(widths, rows, dtype, "cuda", tol)
 
 
@@ -236,7 +245,7 @@ def test_tune_chain_on_the_cpu_returns_the_defaults_untimed(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, dtype, tol", [
-    (100, torch.float32, 1e-4),  # past 64 rows; TF32 off: summation order only
+    (100, torch.float32, 1e-4),  # past 64 rows; TF32 off: 3xTF32 or exact products, summation order
     (17, torch.bfloat16, 6e-2),  # 17 to 64 rows; bf16 (2**-8) rounded at each layer
 ])
 def test_tune_chain_stores_one_config_per_layer_on_gpu(rows, dtype, tol, tmp_path, monkeypatch):
@@ -312,14 +321,16 @@ from kernels._sm90 import compile_sm90, ptxas_usage
 from kernels.fused_mlp import _fused_mlp_layer_kernel, config_str, fused_mlp_candidates
 
 rows, N, dtype, normalize = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+# fp32: exact CUDA-core dots; fp32x3: the 3xTF32 tensor-core dots (kernels.common.dot_precision)
+torch_dtype = {"fp32": torch.float32, "fp32x3": torch.float32, "bf16": torch.bfloat16}[dtype]
+precision = {"fp32": "ieee", "fp32x3": "tf32x3", "bf16": "tf32"}[dtype]
 K = 256  # a hidden width; a multiple of 16, as the launcher's aligned loads assume
 src = MockTensor(torch.float32 if normalize else torch_dtype, [rows, K])  # layer 0 reads raw fp32
 w, b, dst = MockTensor(torch_dtype, [N, K]), MockTensor(torch_dtype, [N]), MockTensor(torch_dtype, [rows, N])
 shift, scale = MockTensor(torch.float32, [K]), MockTensor(torch.float32, [K])
 for config in fused_mlp_candidates(rows, N, K, torch_dtype):
     meta = dict(NORMALIZE=normalize, ACTIVATION="relu", UPCAST_BF16=False, USE_PDL=True, STAGES=config["num_stages"],
-                INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", **config)
+                INPUT_PRECISION=precision, **config)
     compiled = compile_sm90(_fused_mlp_layer_kernel, (src, w, b, dst, shift, scale, rows, N, K, K, N), meta)
     ptx = compiled.asm["ptx"]
     registers, spills = ptxas_usage(compiled)
@@ -337,22 +348,26 @@ for config in fused_mlp_candidates(rows, N, K, torch_dtype):
 @pytest.mark.parametrize("rows, N, normalize", [
     (1, 256, True), (8, 256, False), (17, 256, True), (64, 256, True), (64, 4096, False),
     (512, 256, False), (4096, 256, True), (4096, 10, False)])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_every_candidate_compiles_for_sm90_without_register_spills(rows, N, normalize, dtype):
+@pytest.mark.parametrize("dtype", ["fp32", "fp32x3", "bf16"])
+def test_every_candidate_compiles_for_sm90_without_register_spills(rows, N, normalize, dtype, monkeypatch):
     # A GPU is not needed to compile for one: this keeps every config the tuner may pick spill-free.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    env[FP32_PRECISION_ENV] = "ieee" if dtype == "fp32" else "tf32x3"  # the candidates depend on it
     result = subprocess.run([sys.executable, "-c", COMPILE_SM90, str(rows), str(N), dtype, "1" if normalize else "0"],
                             env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, f"compile failed:\n{result.stderr[-3000:]}"
     reports = result.stdout.splitlines()
-    assert len(reports) == len(fused_mlp_candidates(rows, N, 256, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]))
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    monkeypatch.setenv(FP32_PRECISION_ENV, env[FP32_PRECISION_ENV])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter keys fp32 as ieee)
+    assert len(reports) == len(fused_mlp_candidates(rows, N, 256, torch_dtype))
     for report in reports:
         assert "has_gdc True" in report, f"no griddepcontrol: layers would not overlap launches on sm_90: {report}"
         if "k_steps 1 " not in report:  # (one K step: the whole layer is the peeled first step)
             assert "has_cp_async True" in report, f"no cp.async: the k loop's loads are not pipelined: {report}"
-        if dtype == "bf16" and "FMA=False" in report:
-            assert "has_mma True" in report, f"bf16 layers should run on tensor cores: {report}"
+        if dtype != "fp32" and "FMA=False" in report:
+            assert "has_mma True" in report, f"{dtype} layers should run on tensor cores: {report}"
         spills = re.search(r"spills (\d+)", report)
         assert spills is not None, f"no spill count in:\n{report}"
         assert int(spills.group(1)) == 0, f"rows={rows} N={N} normalize={normalize} {dtype}: {report}"
