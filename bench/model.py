@@ -199,14 +199,18 @@ def timing_overhead(model: MLP, batch: int, rounds: int) -> dict:
     x = torch.rand(batch, model.config.in_features) * 16
     runner.run(x)  # warms this bucket only (and times this first batch)
     calls, samples = 500, {None: [], sink: []}
-    for _ in range(rounds):
-        for key in samples:
+    for i in range(rounds):
+        # Each round is a pair; the order alternates (off-on, on-off, ...) so that a drift of the
+        # host within a round (clocks, another process) does not always land on the same side.
+        for key in ((None, sink) if i % 2 == 0 else (sink, None)):
             runner.timing_sink = key
             start = time.perf_counter()
             for _ in range(calls):
                 runner.run(x)
             samples[key].append((time.perf_counter() - start) / calls * 1e6)
     off, on = statistics.median(samples[None]), statistics.median(samples[sink])
+    # The overhead is the median of the per-round differences: pairs measured side by side.
+    paired_pct = statistics.median((b - a) / a * 100 for a, b in zip(samples[None], samples[sink]))
     runner.timing_sink = sink
     runner.flush_timings()
     recorded = len(sink.timings) - len(model.layers)  # less the warm-up batch's
@@ -223,7 +227,7 @@ def timing_overhead(model: MLP, batch: int, rounds: int) -> dict:
     layers = len(model.layers)
     result = {"model": model.name, "batch": batch, "path": runner.path(runner.buckets[-1]),
               "run_us_sink_off": round(off, 2), "run_us_sink_on": round(on, 2),
-              "overhead_pct": round((on - off) / off * 100, 2),
+              "overhead_pct": round(paired_pct, 2), "rounds": rounds,
               "timings_recorded": recorded, "batches_with_sink": rounds * calls,
               "timed_batch_us": round(timed_us, 2),
               "overhead_explained_pct": round((timed_us - off) * recorded / layers / (rounds * calls) / off * 100, 2)}
@@ -243,7 +247,7 @@ def worker(items: list[tuple[str, int, str]], repeats: int) -> None:
             torch._dynamo.reset()  # each model compiles afresh, within dynamo's recompile limits
         fused_model, torch_model = pairs[name]
         if impl == "timing_overhead":
-            log("OVERHEAD " + json.dumps(timing_overhead(fused_model, batch, rounds=5)))
+            log("OVERHEAD " + json.dumps(timing_overhead(fused_model, batch, rounds=10)))
             continue
         if (name, batch) not in inputs:
             torch.manual_seed(batch)
