@@ -30,7 +30,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     torch's exact-fp32 SGEMM, and ``FUSEDSERVE_FP32_PRECISION`` says how: "tf32x3" (the default:
     each operand split into a TF32 high part and a TF32 remainder, three tensor-core products
     summed in fp32; on the H200 its error against float64 was 0.2-1.9x SGEMM's at every shape of
-    ``bench/fp32_precision.py``, while 1.5-6x faster than CUDA-core products) or "ieee" (exact fp32
+    ``bench/fp32_precision.py``, while 1.1-6.5x faster than CUDA-core products) or "ieee" (exact fp32
     products on the CUDA cores, as SGEMM computes them). The interpreter computes exact fp32
     products whatever is asked; "ieee" keys its tuning."""
     if dtype != torch.float32:
