@@ -79,7 +79,8 @@ def main():
             for s in sets:
                 fn(*s)
             torch.cuda.synchronize()
-            calls = max(len(sets), min(kbench.MAX_CALLS, round(kbench.REPLAY_TARGET_US / kbench.estimate_us(M, N, K, torch.float32))))
+            per_call = kbench.estimate_us(M, N, K, torch.float32)
+            calls = max(len(sets), min(kbench.MAX_CALLS, round(kbench.REPLAY_TARGET_US / per_call)))
             calls = -(-calls // len(sets)) * len(sets)
             us = kbench.time_graph(fn, sets, calls, args.repeats)
             rows.append({"M": M, "N": N, "K": K, "impl": impl, "median_us": round(us, 2),
@@ -88,8 +89,9 @@ def main():
         del sets
         torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
-    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "triton": triton.__version__, "dtype": "float32", "rows": rows}
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    result = {"gpu": torch.cuda.get_device_name(), "date": date, "torch": torch.__version__,
+              "triton": triton.__version__, "dtype": "float32", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{'M':>5} {'N':>5} {'K':>5} " + " ".join(f"{i:>24}" for i in IMPLS))

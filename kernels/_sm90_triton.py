@@ -59,12 +59,14 @@ def plan():
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (3, 4096, 4096)),
                               (small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
                               (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704))):
-        jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu", "tf32") for cfg in module.candidates(M, N, K, torch.bfloat16)]
+        jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu", "tf32")
+                 for cfg in module.candidates(M, N, K, torch.bfloat16)]
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (5, 1000, 704)), (small_m, (16, 1000, 704)),
                               (small_m, (300, 1000, 704)), (tiled, (300, 1000, 704))):
-        jobs += [(module, M, N, K, torch.float32, cfg, "relu", precision) for cfg in module.candidates(M, N, K, torch.float32)
-                 for precision in FP32_PRECISIONS
-                 if precision == "ieee" or not cfg.get("GEMV")]  # (the GEMV has no dot: exact products)
+        # (the GEMV has no dot: its products are exact whatever the precision)
+        jobs += [(module, M, N, K, torch.float32, cfg, "relu", precision)
+                 for cfg in module.candidates(M, N, K, torch.float32)
+                 for precision in FP32_PRECISIONS if precision == "ieee" or not cfg.get("GEMV")]
     jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704, torch.float16)[0], act, "tf32")
              for module in (small_m, tiled, tma_persistent) for act in ACTIVATIONS]
     gemv = next(cfg for cfg in small_m.candidates(3, 1000, 704, torch.float16) if cfg.get("GEMV"))
