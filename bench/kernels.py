@@ -32,6 +32,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from kernels import KERNELS, autotune_cache, fused_linear, kernel_choice, run_kernel  # noqa: E402  (needs sys.path)
+from kernels.common import dot_precision  # noqa: E402
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
@@ -180,6 +181,8 @@ def bench_shape(M, N, K, dtype, impls, repeats):
         if impl in OURS:
             extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda",
                                                              static_weight=impl == "fusedserve_static_weight")
+        if dtype == torch.float32 and impl.startswith("fusedserve"):
+            extra["fp32_precision"] = dot_precision(dtype)  # "tf32x3", "ieee" or (torch allowing) "tf32"
         rows.append(row(M, N, K, dtype, impl, us, **extra))
     del sets
     torch.cuda.empty_cache()

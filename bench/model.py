@@ -47,6 +47,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from kernels.common import dot_precision
 from models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model
 
 MODELS = ("digits", "mlp4x1024", "mlp4x4096")
@@ -123,6 +124,8 @@ def fusedserve_step(model: MLP, x: torch.Tensor, info: dict):
     runner.compute(batch)  # warms this bucket: tuning, capture, the timed path choice
     info.update(path=runner.path(batch), graphs=runner.cuda_graphs,
                 path_us={p: round(s * 1e6, 2) for p, s in runner.path_seconds.get(batch, {}).items()})
+    if model.config.dtype == "float32" and runner.backend == "triton":
+        info["fp32_precision"] = dot_precision(torch.float32)  # how float32 layers ran their dots
     log(f"    fusedserve: path={info['path']} graphs={runner.cuda_graphs} measured={info['path_us']}")
     return lambda: runner.compute(batch)
 
