@@ -74,15 +74,9 @@ def main():
     for M, N, K in SHAPES:
         sets = kbench.make_sets(M, N, K, torch.float32)
         for impl, fn in IMPLS.items():
+            # (not kbench.measure: its fp32 tolerance check fails TF32 at large K)
             max_err, mean_err = errors(fn, *sets[0])
-            # measure() checks against its own fp32 tolerance; TF32 would fail it at large K.
-            for s in sets:
-                fn(*s)
-            torch.cuda.synchronize()
-            per_call = kbench.estimate_us(M, N, K, torch.float32)
-            calls = max(len(sets), min(kbench.MAX_CALLS, round(kbench.REPLAY_TARGET_US / per_call)))
-            calls = -(-calls // len(sets)) * len(sets)
-            us = kbench.time_graph(fn, sets, calls, args.repeats)
+            us = kbench.warm_and_time(fn, sets, M, N, K, torch.float32, args.repeats)
             rows.append({"M": M, "N": N, "K": K, "impl": impl, "median_us": round(us, 2),
                          "max_rel_err": max_err, "mean_rel_err": mean_err})
             print(json.dumps(rows[-1]), flush=True)

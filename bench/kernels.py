@@ -127,15 +127,20 @@ def time_graph(fn, sets, calls, repeats):
     return statistics.median(samples)
 
 
-def measure(fn, sets, M, N, K, dtype, repeats):
-    """Check once, warm every set (compiles and tunes outside the capture), then time."""
-    rel = check(fn, *sets[0])
+def warm_and_time(fn, sets, M, N, K, dtype, repeats):
+    """Warm every set (compiles and tunes outside the capture), then median microseconds per call."""
     for s in sets:
         fn(*s)
     torch.cuda.synchronize()
     calls = max(len(sets), min(MAX_CALLS, math.ceil(REPLAY_TARGET_US / estimate_us(M, N, K, dtype))))
     calls = math.ceil(calls / len(sets)) * len(sets)
-    return time_graph(fn, sets, calls, repeats), rel
+    return time_graph(fn, sets, calls, repeats)
+
+
+def measure(fn, sets, M, N, K, dtype, repeats):
+    """Check once, then warm and time."""
+    rel = check(fn, *sets[0])
+    return warm_and_time(fn, sets, M, N, K, dtype, repeats), rel
 
 
 def row(M, N, K, dtype, impl, us, **extra):

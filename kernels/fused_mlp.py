@@ -102,7 +102,7 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict
         block_m, block_n, block_k = 16, 16, 128
     elif M <= 64:
         block_m, block_n, block_k = 32, 32, 64
-    else:  # fp32 dots are FMA loops or three TF32 products a step, 16-bit ones tensor-core steps of 16 in k
+    else:  # fp32 dots: FMA loops or three TF32 products a step; 16-bit: tensor-core steps of 16 in k
         block_m, block_n, block_k = 64, 64, 32 if dtype == torch.float32 else 64
     while triton.cdiv(M, block_m) * triton.cdiv(N, block_n) < sms and max(block_m, block_n) > 16:
         if block_n >= block_m:

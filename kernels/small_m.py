@@ -47,7 +47,8 @@ _FP32_TILES = ((32, 256, 4), (32, 128, 6))
 # The GEMV variant (no tensor cores) for a handful of rows: the MMA would pad M to 16 and waste 15/16
 # of its work, and fp32 gets exact products without TF32. Up to GEMV_MAX_M rows it can run; it is a
 # tuning candidate up to _GEMV_TUNE_M rows (fp32 up to 16: there the tensor-core variant pads to 16
-# rows as well, and runs three products a step as 3xTF32; 16-bit up to 8: at 16 rows its FMAs take as long as streaming W).
+# rows as well, and runs three products a step as 3xTF32; 16-bit up to 8: at 16 rows its FMAs take
+# as long as streaming W).
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): one row of X streams best with many small programs
 # each reading 16 KB tiles (8 x 1024 bf16: 9.9 us at N=K=4096 against 10.5 us for 16 x 512 on the
 # H200, with the weight prefetch).

@@ -26,10 +26,11 @@ CONFIGS = [
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 ]
-# fp32: tensor cores as 3xTF32 (or TF32 where torch allows it), FMAs with FUSEDSERVE_FP32_PRECISION=ieee
-# (kernels.common.dot_precision); these tiles compile for both (kernels._sm90_triton). Tiles that keep the
-# accumulator in registers, spilling a few bytes at most (checked with ptxas for sm_90); the larger
-# 16-bit tiles above spill heavily in fp32 and take seconds each to compile.
+# fp32: tensor cores as 3xTF32 (or TF32 where torch allows it), FMAs with
+# FUSEDSERVE_FP32_PRECISION=ieee (kernels.common.dot_precision); these tiles compile for both
+# (kernels._sm90_triton). Tiles that keep the accumulator in registers, spilling a few bytes at most
+# (checked with ptxas for sm_90); the larger 16-bit tiles above spill heavily in fp32 and take
+# seconds each to compile.
 FP32_CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3),
