@@ -2,11 +2,11 @@
 
 Run on a CUDA GPU from the repository root:
 
-    python bench/kernels.py --out DIR [--quick]
+    python bench/kernels.py --out DIR [--quick] [--ms 1,4,16 --dtypes float16,bfloat16 --tag TAG]
 
-Writes ``DIR/kernels_h200.json`` ({"gpu", "date", "torch", "triton", "copy_tbps", "matmul_tflops",
-"rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops", "tbps", ...}]}) and
-``DIR/kernels_h200.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the matmul peak,
+Writes ``DIR/kernels_<tag>.json`` (tag ``h200`` by default; {"gpu", "date", "torch", "triton",
+"copy_tbps", "matmul_tflops", "rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops", "tbps",
+...}]}) and ``DIR/kernels_<tag>.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the matmul peak,
 both measured in the same run), and prints a table plus the targets of issue 3.
 
 Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
@@ -244,8 +244,12 @@ class CompileCache:
         return timed
 
 
-def plan(quick):
-    """(M, N, K, dtype) in the order measured: the headline shape first, in case time runs out."""
+def plan(quick, ms=None, dtypes=None):
+    """(M, N, K, dtype) in the order measured: the headline shape first, in case time runs out.
+    With ``ms`` and ``dtypes``: exactly those batch sizes at N=K=4096, dtypes in the order given
+    (e.g. to see whether a dtype measures differently when it is not the first one timed)."""
+    if ms or dtypes:
+        return [(M, 4096, 4096, dt) for dt in dtypes or (torch.bfloat16, torch.float16) for M in ms or QUICK_MS]
     shapes = []
     if quick:
         shapes += [(M, 4096, 4096, dt) for dt in (torch.bfloat16, torch.float16) for M in QUICK_MS]
@@ -359,6 +363,12 @@ def main():
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new shapes after this many seconds, torch.compile's compile "
                              "time not counted (default 140 quick, 480 full)")
+    parser.add_argument("--ms", type=lambda v: [int(m) for m in v.split(",")], default=None,
+                        help="only these batch sizes (comma-separated), at N=K=4096")
+    parser.add_argument("--dtypes", type=lambda v: [getattr(torch, d) for d in v.split(",")], default=None,
+                        help="only these dtypes, in this order (e.g. float16,bfloat16), at N=K=4096")
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (saves its compile time)")
+    parser.add_argument("--tag", default="h200", help="file name suffix: kernels_<tag>.json/.png")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
@@ -372,14 +382,15 @@ def main():
     copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
     log(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.2f} TB/s, bf16 matmul {peak:.0f} TFLOP/s")
     compile_cache = CompileCache(args.quick)
-    rows, shapes, truncated = [], plan(args.quick), False
+    rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes), False
     for i, (M, N, K, dtype) in enumerate(shapes, 1):
         if time.perf_counter() - t0 - compile_cache.spent > budget:
             log(f"time budget of {budget:.0f} s spent: stopping before shape {i}/{len(shapes)}")
             truncated = True
             break
         forced = dtype != torch.float32 and (not args.quick or (N, K) == (4096, 4096))
-        impls = impls_for(M, N, K, dtype, compile_cache.get(M, N, K, dtype), forced)
+        compiled = None if args.no_compile else compile_cache.get(M, N, K, dtype)
+        impls = impls_for(M, N, K, dtype, compiled, forced)
         new = bench_shape(M, N, K, dtype, impls, repeats)
         rows += new
         cells = ", ".join(f"{r['impl']} {r['median_us']:.1f}" for r in new if "median_us" in r)
@@ -389,10 +400,10 @@ def main():
     result = dict(gpu=torch.cuda.get_device_name(), tune_cache=os.environ[autotune_cache.ENV_VAR], date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
                   copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
-    path = args.out / "kernels_h200.json"
+    path = args.out / f"kernels_{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
     log(f"wrote {path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
-    plot(rows, copy_tbps, peak, args.out / "kernels_h200.png")
+    plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png")
     print_table(rows)
     print_targets(rows)
 

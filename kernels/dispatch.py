@@ -17,9 +17,10 @@ SMALL_M_MAX = 64
 # Up to here (an H200 is memory-bound below M ~ 200 at N=K=4096) tiled GEMMs may leave SMs idle or
 # re-read W; the weight-streaming kernel with split-K competes with them in the tuner.
 MID_M_MAX = 512
-# Up to here the Gluon swap-AB weight-streaming kernel (Hopper) competes: its X tile is wgmma's n
-# side, and 128 keeps the accumulator of a 64-row W tile at 64 registers a thread.
-GLUON_SMALL_M_MAX = 128
+# Up to here the Gluon swap-AB weight-streaming kernel (Hopper) competes: its X tile (wgmma's n
+# side) is at most 128 rows, so past 128 the batch is split over programs. Past 256 the layer is
+# compute-bound and the persistent tiled kernels, with 128-row tiles on both sides, are left to it.
+GLUON_SMALL_M_MAX = 256
 # Autotune keys bucket M up to this; larger batches share the biggest bucket's choice.
 M_BUCKET_CAP = 4096
 

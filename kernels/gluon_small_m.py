@@ -1,10 +1,14 @@
-"""Hopper (sm_90) weight streaming for small batches, in Gluon: ``Y = act(X @ W^T + b)``, M <= 128.
+"""Hopper (sm_90) weight streaming for small batches, in Gluon: ``Y = act(X @ W^T + b)``, M <= 256.
 
 Below a few hundred rows a layer is bound by reading W once (32 MiB for a 4096 x 4096 bf16 layer;
 7.8 us on an H200), so everything here serves that stream. "Swap AB": each wgmma computes a
 ``[BLOCK_N, BLOCK_M]`` tile of Y^T = W @ X^T, so W's rows fill the instruction's 64-row side and
 the batch only its narrow side (n = 8 to 128: M is padded to 8, not to 64 as a plain tiling pads
-it). Each program owns ``BLOCK_N`` rows of W and one of ``SPLIT_K`` slices of K. TMA brings W and
+it). Each program owns ``BLOCK_N`` rows of W, one of ``SPLIT_K`` slices of K and ``BLOCK_M`` rows
+of X. Splitting M gives a narrow layer (N = 1024 is only 16 W tiles) or a compute-heavy batch
+(M = 128: a 64 x 128 x 4096 tile per program keeps one warpgroup busy for ~10 us) more programs
+without split-K's fp32 partial sums: the programs that share a W tile run at the same time, so W
+still comes from HBM about once and the repeats are L2 hits. TMA brings W and
 X tiles into a ring of ``STAGES`` shared-memory slots, one mbarrier each: a few bulk copies keep
 ~150-200 KB in flight per SM where a cp.async pipeline issues one 16-byte load per thread per row.
 
@@ -41,16 +45,32 @@ from kernels import dispatch, small_m
 from kernels.gluon_linear import _TORCH_TO_GL, _activation
 
 NAME = "gluon_small_m"
-MAX_M = dispatch.GLUON_SMALL_M_MAX  # rows of X each W tile is multiplied by (wgmma's n side)
+MAX_M = dispatch.GLUON_SMALL_M_MAX  # rows of X one launch takes (in tiles of at most 128)
 INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
 
 # Shared memory the ring may fill (an sm_90 SM has 227 KB; the rest is for barriers and spills).
 _SMEM_BUDGET = 200 * 1024
 
 
+# An H200's SMs. Programs worth launching: two per SM; more M splits than that only re-read W.
+_SMS = 132
+_MAX_PROGRAMS = 2 * _SMS
+
+
 def block_m(M):
-    """The X tile's rows: wgmma's n is at least 8; rows past M are zero-filled by TMA, not read."""
-    return max(8, triton.next_power_of_2(M))
+    """The tallest X tile for M rows: wgmma's n is at least 8, and past 128 the batch is split (a
+    64 x 128 fp32 accumulator is 64 registers a thread). Rows past M are zero-filled by TMA."""
+    return min(128, max(8, triton.next_power_of_2(M)))
+
+
+def _row_tiles(M, N):
+    """X tile heights worth timing: the tallest, then halves down to wgmma's n = 8 while the grid
+    stays within ``_MAX_PROGRAMS`` (with 64-row W tiles)."""
+    heights, h = [], block_m(M)
+    while h >= 8 and (not heights or triton.cdiv(N, 64) * triton.cdiv(M, h) <= _MAX_PROGRAMS):
+        heights.append(h)
+        h //= 2
+    return heights
 
 
 # (BLOCK_K, STAGES) of the 64-row W tiles worth timing (None: the deepest ring that fits). From the
@@ -60,19 +80,24 @@ _DEPTHS = ((256, None), (128, None), (128, 4), (64, None))
 
 
 def candidates(M, N, K, dtype):
-    """Configs worth timing: 64-row W tiles at the depths of ``_DEPTHS``, each unsplit and split in
-    two (where each half keeps >= 2 K tiles): at N = 4096 that is 64 or 128 programs."""
-    bm = block_m(M)
+    """Configs worth timing: 64-row W tiles at the depths of ``_DEPTHS`` with the tallest X tile,
+    each unsplit and split in two along K (where each half keeps >= 2 K tiles); then, unsplit along
+    K, the shorter X tiles of ``_row_tiles`` at the two deepest tiles of ``_DEPTHS``. Where a grid
+    has more programs than an H200 has SMs, rings are sized so that two programs fit on one SM."""
     configs = []
-    for block_k, stages in _DEPTHS:
-        deepest = min(12, _SMEM_BUDGET // ((64 + bm) * block_k * 2))
-        stages = deepest if stages is None else min(stages, deepest)
-        if stages < 3 or (block_k == 64 and M <= 64):  # 64 deep only pays where X's tile is wide
-            continue
-        for s in (1, 2):
-            config = dict(BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=s, STAGES=stages, num_warps=4)
-            if (s == 1 or triton.cdiv(K, block_k) >= 2 * s) and config not in configs:
-                configs.append(config)
+    for i, bm in enumerate(_row_tiles(M, N)):
+        for block_k, stages in _DEPTHS if i == 0 else _DEPTHS[:2]:
+            for s in (1, 2) if i == 0 else (1, ):
+                # Past one program per SM, two programs' rings must fit in one SM's shared memory.
+                programs = triton.cdiv(N, 64) * triton.cdiv(M, bm) * s
+                budget = _SMEM_BUDGET if programs <= _SMS else _SMEM_BUDGET // 2
+                deepest = min(12, budget // ((64 + bm) * block_k * 2))
+                depth = deepest if stages is None else min(stages, deepest)
+                if depth < 3 or (block_k == 64 and bm <= 64):  # 64 deep only pays where X's tile is wide
+                    continue
+                config = dict(BLOCK_N=64, BLOCK_M=bm, BLOCK_K=block_k, SPLIT_K=s, STAGES=depth, num_warps=4)
+                if (s == 1 or triton.cdiv(K, block_k) >= 2 * s) and config not in configs:
+                    configs.append(config)
     return configs
 
 
@@ -116,7 +141,9 @@ def gluon_small_m_kernel(
 
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
     off_n = pid_n * BLOCK_N
+    off_m = pid_m * BLOCK_M
     # This program's K tiles (possibly none; the K tail is zero-filled by TMA).
     k_tiles = gl.cdiv(K, BLOCK_K)
     per_split = gl.cdiv(k_tiles, SPLIT_K)
@@ -135,7 +162,7 @@ def gluon_small_m_kernel(
         _gdc_launch_dependents_then_wait()
     # Prologue: the first STAGES - 1 slots.
     for s in gl.static_range(STAGES - 1):
-        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, s, off_n, (kt_start + s) * BLOCK_K, s < n_k)
+        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, s, off_n, off_m, (kt_start + s) * BLOCK_K, s < n_k)
 
     # Main loop: the wgmma on slot i overlaps the copies into the other STAGES - 1 slots.
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
@@ -147,14 +174,15 @@ def gluon_small_m_kernel(
         # At most one wgmma in flight: tile i - 1 is consumed, so its slot takes tile i + STAGES - 1.
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         nxt = i + STAGES - 1
-        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, nxt % STAGES, off_n, (kt_start + nxt) * BLOCK_K, nxt < n_k)
+        _issue(w_desc, x_desc, w_bufs, x_bufs, ready, nxt % STAGES, off_n, off_m, (kt_start + nxt) * BLOCK_K,
+               nxt < n_k)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
     # Epilogue. acc[j, i] is Y[i, off_n + j] (fp32).
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # along N
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))  # along M
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))  # along M
     cols2 = gl.expand_dims(cols, 1)
     rows2 = gl.expand_dims(rows, 0)
     mask = (cols2 < N) & (rows2 < M)
@@ -165,24 +193,25 @@ def gluon_small_m_kernel(
         # Every thread's partial store is issued before the tile's counter moves (the barrier);
         # the counter's acq_rel orders those stores before the last split's reads.
         gl.thread_barrier()
-        arrived = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        lock = lock_ptr + pid_m * gl.num_programs(0) + pid_n  # one counter per output tile
+        arrived = gl.atomic_add(lock, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
             for split in range(SPLIT_K):  # .cg: from L2, never from a stale L1 line
                 acc += gl.load(part_ptr + split * M * N + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
             _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
-            gl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next launch
+            gl.atomic_xchg(lock, 0)  # ready for the next launch
     else:
         _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
 
 
 @gluon.jit
-def _issue(w_desc, x_desc, w_bufs, x_bufs, ready, slot, off_n, k, pred):
+def _issue(w_desc, x_desc, w_bufs, x_bufs, ready, slot, off_n, off_m, k, pred):
     # The W and X tiles at k into ring slot `slot`; its barrier completes when both have landed.
     bar = ready.index(slot)
     mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, w_bufs.index(slot), pred)
-    tma.async_copy_global_to_shared(x_desc, [0, k], bar, x_bufs.index(slot), pred)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_bufs.index(slot), pred)
 
 
 @gluon.jit
@@ -200,7 +229,7 @@ def descriptors(x, weight, config):
     """TMA descriptors of W and X for ``config`` (``x``/``weight`` may be MockTensors)."""
     gl_dtype = _TORCH_TO_GL[weight.dtype]
     w_block = [config["BLOCK_N"], config["BLOCK_K"]]
-    x_block = [block_m(x.shape[0]), config["BLOCK_K"]]
+    x_block = [config.get("BLOCK_M", block_m(x.shape[0])), config["BLOCK_K"]]
     w_desc = TensorDescriptor.from_tensor(weight, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl_dtype))
     x_desc = TensorDescriptor.from_tensor(x, x_block, gl.NVMMASharedLayout.get_default_for(x_block, gl_dtype))
     return w_desc, x_desc
@@ -221,15 +250,16 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
     if x.dtype not in _TORCH_TO_GL or weight.dtype != x.dtype:
         raise TypeError(f"x, weight: fp16 or bf16 of one dtype, got {x.dtype} and {weight.dtype}")
     split = config["SPLIT_K"]
-    grid = (triton.cdiv(N, config["BLOCK_N"]), split)
+    n_tiles, m_tiles = triton.cdiv(N, config["BLOCK_N"]), triton.cdiv(M, config.get("BLOCK_M", block_m(M)))
     locks = out
     if split > 1:
         locks = small_m.tile_counters(x.device)
         if locks is None:  # first split-K launch inside a graph capture: unsplit is as right
-            split, grid, locks = 1, (grid[0], 1), out
-        elif grid[0] > locks.numel():
-            raise ValueError(f"config {config}: split-K over {grid[0]} tiles, more than the "
+            split, locks = 1, out
+        elif n_tiles * m_tiles > locks.numel():
+            raise ValueError(f"config {config}: split-K over {n_tiles * m_tiles} tiles, more than the "
                              f"{locks.numel()} tile counters")
+    grid = (n_tiles, split, m_tiles)
     part = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     w_desc, x_desc = descriptors(x, weight, config)
     meta = dict(launch_pdl=True) if pdl else {}

@@ -27,12 +27,16 @@ def reference(x, weight, bias, activation):
 # ---------------------------------------------------------------- host-side rules (CPU, CI)
 
 @pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (5, 1000, 136), (16, 11008, 4096), (64, 1024, 1024),
-                                     (17, 8192, 8192)])
+                                     (17, 8192, 8192), (200, 4096, 4096)])
 def test_candidates_fit_and_split_sensibly(M, N, K):
     configs = gluon_small_m.candidates(M, N, K, torch.bfloat16)
     assert configs, f"M={M} N={N} K={K}: no candidates"
     for c in configs:
-        ring = c["STAGES"] * (c["BLOCK_N"] + gluon_small_m.block_m(M)) * c["BLOCK_K"] * 2
+        assert 8 <= c["BLOCK_M"] <= 128, f"{c}: wgmma's n side must be 8 to 128 rows here"
+        programs = -(-N // c["BLOCK_N"]) * -(-M // c["BLOCK_M"]) * c["SPLIT_K"]
+        assert c["BLOCK_M"] == gluon_small_m.block_m(M) or programs <= gluon_small_m._MAX_PROGRAMS, \
+            f"{c}: split M into {programs} programs"
+        ring = c["STAGES"] * (c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2
         assert ring <= gluon_small_m._SMEM_BUDGET, f"{c}: a {ring}-byte ring overflows shared memory"
         assert c["STAGES"] >= 3, f"{c}: too shallow a ring to keep loads in flight"
         k_tiles = -(-K // c["BLOCK_K"])
@@ -40,24 +44,38 @@ def test_candidates_fit_and_split_sensibly(M, N, K):
         assert c["SPLIT_K"] == 1 or k_tiles >= 2 * c["SPLIT_K"], f"{c}: {k_tiles} K tiles"
 
 
-@pytest.mark.parametrize("M, expected", [(1, 8), (7, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64), (100, 128)])
+@pytest.mark.parametrize("M, expected", [(1, 8), (7, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64), (100, 128),
+                                         (200, 128)])
 def test_x_tile_rows(M, expected):
     assert gluon_small_m.block_m(M) == expected
+
+
+def test_narrow_layers_and_large_batches_split_m():
+    # N = 1024 at M = 64: 16 W tiles, so shorter X tiles give 32 to 128 programs.
+    heights = {c["BLOCK_M"] for c in gluon_small_m.candidates(64, 1024, 1024, torch.bfloat16)}
+    assert heights == {64, 32, 16, 8}, heights
+    # M = 256 at N = 4096: 128-row tiles (128 programs) and 64-row ones (256), never one 256-row tile.
+    heights = {c["BLOCK_M"] for c in gluon_small_m.candidates(256, 4096, 4096, torch.bfloat16)}
+    assert heights == {128, 64}, heights
+    # One row: nothing to split.
+    assert {c["BLOCK_M"] for c in gluon_small_m.candidates(1, 4096, 4096, torch.bfloat16)} == {8}
 
 
 def test_launch_rejects_what_it_cannot_run():
     w = torch.zeros(256, 128, dtype=torch.bfloat16)
     config = gluon_small_m.candidates(1, 256, 128, torch.bfloat16)[0]
-    out = torch.empty(129, 256, dtype=torch.bfloat16)
+    too_many = gluon_small_m.MAX_M + 1
+    out = torch.empty(too_many, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows"):
-        gluon_small_m.launch(torch.zeros(129, 128, dtype=torch.bfloat16), w, None, "relu", out, config)
+        gluon_small_m.launch(torch.zeros(too_many, 128, dtype=torch.bfloat16), w, None, "relu", out, config)
     with pytest.raises(TypeError, match="bf16"):
         gluon_small_m.launch(torch.zeros(3, 128), w.float(), None, "relu", out[:3].float(), config)
 
 
 # ---------------------------------------------------------------- sm_90 compile checks (CPU, CI)
 
-@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 4096, 4096), (64, 1000, 136), (128, 4096, 4096)])
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 4096, 4096), (64, 1000, 136), (128, 4096, 4096),
+                                     (256, 4096, 4096)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
     from kernels._sm90 import ptxas_usage
@@ -108,7 +126,8 @@ def check(out, x, w, b, activation, where):
 def _cases():
     cases = []
     for M, N, K in [(1, 4096, 4096), (3, 1000, 136), (9, 136, 1000), (16, 11008, 4096), (17, 1000, 520),
-                    (64, 1024, 1024), (100, 1000, 1000), (128, 4096, 4096)]:
+                    (64, 1024, 1024), (100, 1000, 1000), (128, 4096, 4096), (200, 1000, 520),
+                    (256, 4096, 4096)]:
         for i, config in enumerate(gluon_small_m.candidates(M, N, K, torch.bfloat16)):
             cases.append(pytest.param(M, N, K, config, id=f"{M}x{N}x{K}-{i}"))
     return cases
@@ -128,20 +147,22 @@ def test_every_candidate_matches_float64(M, N, K, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
-def test_split_k_is_deterministic():
-    x, w, b = make(5, 4096, 4096, torch.bfloat16)
-    config = dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, STAGES=8, num_warps=4)
+@pytest.mark.parametrize("M, block_m", [(5, 8), (100, 32)])  # the second splits M too: a counter per tile
+def test_split_k_is_deterministic(M, block_m):
+    x, w, b = make(M, 4096, 4096, torch.bfloat16)
+    config = dict(BLOCK_N=64, BLOCK_M=block_m, BLOCK_K=128, SPLIT_K=4, STAGES=8, num_warps=4)
     outs = []
     for _ in range(4):
-        out = torch.full((5, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full((M, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
         outs.append(gluon_small_m.launch(x, w, b, "relu", out, config))
+    check(outs[0], x, w, b, "relu", f"{config} M={M}")
     for i, out in enumerate(outs[1:], 1):
         assert torch.equal(out, outs[0]), f"run {i} differs from run 0 (split-K order not fixed)"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
-@pytest.mark.parametrize("M", [1, 6, 40, 128])
+@pytest.mark.parametrize("M", [1, 6, 40, 128, 250])
 def test_dependent_launches_in_a_cuda_graph(M):
     # Three layers in one CUDA graph, each a programmatic dependent launch that lets the next layer
     # start launching before it ends: a layer that read X before waiting for the previous one would
