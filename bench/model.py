@@ -126,7 +126,11 @@ def fusedserve_step(model: MLP, x: torch.Tensor, info: dict):
                 path_us={p: round(s * 1e6, 2) for p, s in runner.path_seconds.get(batch, {}).items()})
     if model.config.dtype == "float32" and runner.backend == "triton":
         info["fp32_precision"] = dot_precision(torch.float32)  # how float32 layers ran their dots
+    # Which kernel and config ran each layer (as /kernel-stats names them).
+    info["layers"] = [f"{t['kernel']}[{t['config']}]" for t in
+                      (runner.layer_fields(runner.path(batch), i, batch) for i in range(len(model.layers)))]
     log(f"    fusedserve: path={info['path']} graphs={runner.cuda_graphs} measured={info['path_us']}")
+    log(f"    fusedserve layers: {info['layers']}")
     return lambda: runner.compute(batch)
 
 

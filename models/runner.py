@@ -11,7 +11,8 @@ from kernels.timing import LayerTiming, PendingEvents, TimingSink
 from models.mlp import MLP
 
 # The two ways to compute a batch. "fused": kernels.fused_mlp, one launch per layer with the input
-# normalization fused into the first; "layers": MLP.normalize, then each layer's own module.
+# normalization fused into the first; "layers": the normalization (kernels.normalize with the
+# triton backend, MLP.normalize with torch's), then each layer's own module.
 PATHS = ("fused", "layers")
 # Warm-up times each candidate path with this many rounds of back-to-back calls (best round wins).
 CHOICE_ROUNDS, CHOICE_CALLS = 3, 10
@@ -56,7 +57,7 @@ class ModelRunner:
     - CUDA graphs: a replay hides individual kernels, so timings are sampled. Each bucket has a
       second graph, captured with the first: the same launches with a CUDA event recorded between
       layers (external event nodes). The first batch of each bucket replays that timed graph, then
-      the next batch of that bucket that is at least ``timing_sample_every`` batches and
+      every ``timing_sample_every``-th batch of that bucket that is at least
       ``timing_min_interval_s`` seconds after the last timed one. The event nodes split the layers
       apart (no layer overlaps the next there), so a timed batch costs about one replay more than
       an untimed one, not eager launches. Where the timed graph cannot be captured (a torch
@@ -122,8 +123,8 @@ class ModelRunner:
         self._paths: dict[int, str] = {}
         self.path_seconds: dict[int, dict[str, float]] = {}  # bucket -> {path: seconds per call}
         self._pending = PendingEvents()
-        self._batches: dict[int, int] = {}  # batches run per bucket
-        self._last_timed: dict[int, tuple[int, float]] = {}  # bucket -> (batch number, monotonic time)
+        self._untimed_left: dict[int, int] = {}  # bucket -> batches to run before the clock is read
+        self._last_timed: dict[int, float] = {}  # bucket -> monotonic time of its last timed batch
         self._fields: dict[tuple[str, int, int], dict] = {}  # (path, layer, bucket) -> LayerTiming fields
 
     # -- public API --------------------------------------------------------------------------
@@ -144,7 +145,8 @@ class ModelRunner:
         """``[M, in_features]`` float32 CPU -> ``[M, out_features]`` float32 CPU."""
         rows = self._check_input(x)
         bucket = next(b for b in self.buckets if b >= rows)
-        self._emit(self._pending.ready())
+        if self._pending:  # eager timed batches' events (a lock and a query each; most runs have none)
+            self._emit(self._pending.ready())
         if bucket not in self._paths:
             self._warm_bucket(bucket)
         if self._host_in is None:
@@ -246,17 +248,21 @@ class ModelRunner:
         return rows
 
     def _timing_due(self, bucket: int) -> bool:
-        """Whether this batch of ``bucket`` runs with per-layer events (see the class docstring)."""
-        count = self._batches.get(bucket, 0)
-        self._batches[bucket] = count + 1
+        """Whether this batch of ``bucket`` runs with per-layer events (see the class docstring).
+        Most batches cost one dict lookup here: the clock is read every ``timing_sample_every``
+        batches only (a graph replay takes microseconds, so this runs on the serving path's budget)."""
         if bucket not in self._graphs:
             return True  # eager launches anyway: events cost next to nothing
+        left = self._untimed_left.get(bucket, 0)
+        if left:
+            self._untimed_left[bucket] = left - 1
+            return False
+        self._untimed_left[bucket] = self.timing_sample_every - 1
         now = time.monotonic()
         last = self._last_timed.get(bucket)
-        if last is not None and (count - last[0] < self.timing_sample_every
-                                 or now - last[1] < self.timing_min_interval_s):
-            return False
-        self._last_timed[bucket] = (count, now)
+        if last is not None and now - last < self.timing_min_interval_s:
+            return False  # due by count, not by time: the clock is read again that many batches on
+        self._last_timed[bucket] = now
         return True
 
     def _forward(self, bucket: int, rows: int | None, path: str, marks: list | None = None) -> torch.Tensor:
@@ -273,7 +279,7 @@ class ModelRunner:
                 h = self._launch(path, i, bucket, rows, lambda i=i, h=h: fused_mlp_layer(
                     h, packed, i, model.input_shift, model.input_scale))
         else:
-            h = self.model.normalize(x)  # [bucket, in], model dtype
+            h = self._normalize(x)  # [bucket, in], model dtype
             for i, layer in enumerate(self.model.layers):
                 if marks is not None:
                     marks[i].record()
@@ -281,6 +287,14 @@ class ModelRunner:
         if marks is not None:
             marks[-1].record()
         return h  # [bucket, out]
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend != "triton":
+            return self.model.normalize(x)
+        from kernels.normalize import normalize
+
+        # One launch instead of torch's two or three elementwise ones, and the same bits.
+        return normalize(x, self.model.input_shift, self.model.input_scale, self.dtype)
 
     def _layer(self, layer, h: torch.Tensor) -> torch.Tensor:
         if self.backend != "triton":
@@ -430,6 +444,11 @@ class ModelRunner:
 
     def _timing(self, path: str, layer_index: int, rows: int, bucket: int, seconds: float) -> LayerTiming:
         return LayerTiming(rows=rows, seconds=seconds, **self._timing_fields(path, layer_index, bucket))
+
+    def layer_fields(self, path: str, layer_index: int, bucket: int) -> dict:
+        """What a timing of layer ``layer_index`` on ``path`` at ``bucket`` records besides its time:
+        model, layer, M, N, K, dtype, backend, and the kernel and config that run it."""
+        return dict(self._timing_fields(path, layer_index, bucket))
 
     def _timing_fields(self, path: str, layer_index: int, bucket: int) -> dict:
         """What every timing of this layer at this bucket shares: its shape, dtype and the kernel and
