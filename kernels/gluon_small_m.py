@@ -5,12 +5,11 @@ Below a few hundred rows a layer is bound by reading W once (32 MiB for a 4096 x
 ``[BLOCK_N, BLOCK_M]`` tile of Y^T = W @ X^T, so W's rows fill the instruction's 64-row side and
 the batch only its narrow side (n = 8 to 128: M is padded to 8, not to 64 as a plain tiling pads
 it). Each program owns ``BLOCK_N`` rows of W, one of ``SPLIT_K`` slices of K and ``BLOCK_M`` rows
-of X. Splitting M gives a narrow layer (N = 1024 is only 16 W tiles) or a compute-heavy batch
-(M = 128: a 64 x 128 x 4096 tile per program keeps one warpgroup busy for ~10 us) more programs
-without split-K's fp32 partial sums: the programs that share a W tile run at the same time, so W
-still comes from HBM about once and the repeats are L2 hits. TMA brings W and
-X tiles into a ring of ``STAGES`` shared-memory slots, one mbarrier each: a few bulk copies keep
-~150-200 KB in flight per SM where a cp.async pipeline issues one 16-byte load per thread per row.
+of X. Splitting M gives a narrow layer (N = 1024 is only 16 W tiles) more programs without
+split-K's fp32 partial sums: the programs that share a W tile run at the same time, so W still
+comes from HBM about once and the repeats are L2 hits. TMA brings W and X tiles into a ring of
+``STAGES`` shared-memory slots, one mbarrier each: a few bulk copies keep ~150-200 KB in flight
+per SM where a cp.async pipeline issues one 16-byte load per thread per row.
 
 Measured on an H200 (bf16, N=K=4096, cold L2, bench/small_m_sweep.py --kernel gluon, 2026-12-02):
 9.6 us at M=1 and 4, 9.9 us at M=16, 11.0 us at M=64, against 11.3-12.9 us for the Triton
@@ -18,7 +17,9 @@ weight-streaming kernel and 12.5-13.1 us for cuBLASLt. The best tiles were 64 x 
 on only 64 programs (N / 64, unsplit): more programs did not add bandwidth. As a programmatic
 dependent launch it waits for the previous kernel before any load: filling the W half of the
 ring before that wait (as the Triton kernel's ``prefetch_weight`` does) measured 0.4-0.5 us
-slower at every shape, so this kernel does not.
+slower at every shape, so this kernel does not. Splitting M (2026-12-03): at N=K=4096 the tuner
+kept whole-batch X tiles from M=4 to 256 (14.5 us at M=128, 17.2 at 256); in the 1024-wide bf16
+MLP at batch 64 it picked 16-row tiles (64 programs), and the model went from 20.7 to 17.3 us.
 
 Split-K partial sums go to an fp32 workspace; the last split of each tile to arrive (a counter per
 tile) adds them in split order (deterministic) and applies bias and activation, in this launch.
