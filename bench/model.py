@@ -26,8 +26,8 @@ counts, as in serving); the median over repeats of elapsed / calls. Weights stay
 previous call left them (the digits weights fit in L2; the mlp4x4096 ones, 128 MiB, do not).
 
 Timing overhead: ``ModelRunner.run`` (host copies included, as the service calls it) on digits at
-batch 8, one runner with its timing sink set and unset in alternating rounds; issue 4 wants the
-difference under 2%. Then ``run`` with every batch timed prices one timed batch, and how much of
+batch 8, one runner with its timing sink set for every other call; issue 4 wants the difference
+of the means under 2%. Then ``run`` with every batch timed prices one timed batch, and how much of
 the overhead the timed batches' count explains.
 """
 
@@ -35,6 +35,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import queue
 import statistics
 import subprocess
@@ -195,52 +196,58 @@ class CountingSink:
             self.timings.append(timing)
 
 
-def timing_overhead(model: MLP, batch: int, rounds: int) -> dict:
-    """``ModelRunner.run`` per batch with and without a timing sink, alternating rounds.
+def timing_overhead(model: MLP, batch: int, calls: int) -> dict:
+    """``ModelRunner.run`` per batch with and without a timing sink, interleaved call by call.
 
-    One runner, its sink set and unset between rounds: two runners would each choose their own
-    path per bucket at warm-up, and where the two paths are close (digits at batch 8) the choice
-    alone moves ``run()`` by more than the 2% this measures."""
+    One runner whose sink is set for every other call: two runners would each choose their own
+    path per bucket at warm-up (where the two paths are close, digits at batch 8, the choice alone
+    moves ``run()`` by more than the 2% this measures), and rounds of many calls each were at the
+    mercy of the host's drift between rounds (0.2% to 8% in four runs). Interleaved, both halves see
+    the same host; the overhead is the difference of their means (throughput is calls over total
+    time, so the mean is what counts, timed batches and jitter included), given with the standard
+    error of that difference."""
     sink = CountingSink()
     runner = ModelRunner(model, max_batch_size=batch, timing_sink=sink)
     x = torch.rand(batch, model.config.in_features) * 16
-    runner.run(x)  # warms this bucket only (and times this first batch)
-    calls, samples = 500, {None: [], sink: []}
-    for i in range(rounds):
-        # Each round is a pair; the order alternates (off-on, on-off, ...) so that a drift of the
-        # host within a round (clocks, another process) does not always land on the same side.
-        for key in ((None, sink) if i % 2 == 0 else (sink, None)):
-            runner.timing_sink = key
-            start = time.perf_counter()
-            for _ in range(calls):
-                runner.run(x)
-            samples[key].append((time.perf_counter() - start) / calls * 1e6)
-    off, on = statistics.median(samples[None]), statistics.median(samples[sink])
-    # The overhead is the median of the per-round differences: pairs measured side by side.
-    paired_pct = statistics.median((b - a) / a * 100 for a, b in zip(samples[None], samples[sink]))
+    for _ in range(200):  # warms this bucket (the first batch is timed), then settles
+        runner.run(x)
+    runner.flush_timings()
+    sink.timings.clear()  # count only the interleaved calls' timings
+    samples = {False: [], True: []}
+    for i in range(2 * calls):
+        runner.timing_sink = sink if i % 2 else None
+        start = time.perf_counter()
+        runner.run(x)
+        samples[bool(i % 2)].append((time.perf_counter() - start) * 1e6)
+    off, on = statistics.fmean(samples[False]), statistics.fmean(samples[True])
+    stderr = math.sqrt(statistics.variance(samples[False]) / calls + statistics.variance(samples[True]) / calls)
     runner.timing_sink = sink
     runner.flush_timings()
-    recorded = len(sink.timings) - len(model.layers)  # less the warm-up batch's
-    # Where the overhead comes from: a timed batch runs eagerly, layer by layer with events, where
-    # the others replay a graph. Time such batches alone (every batch timed) to price one.
+    # Where the overhead comes from: a timed batch replays the graph with events between layers.
+    # Time such batches alone (every batch timed) to price one.
     every = ModelRunner(model, max_batch_size=batch, timing_sink=CountingSink(), timing_sample_every=1,
                         timing_min_interval_s=0.0, fused=runner.path(runner.buckets[-1]) == "fused")
     every.run(x)
     start = time.perf_counter()
-    for _ in range(calls // 5):
+    for _ in range(200):
         every.run(x)
-    timed_us = (time.perf_counter() - start) / (calls // 5) * 1e6
+    timed_us = (time.perf_counter() - start) / 200 * 1e6
     every.flush_timings()
     layers = len(model.layers)
+    timed_batches = sum(1 for t in sink.timings if t.layer == "layers.0")
     result = {"model": model.name, "batch": batch, "path": runner.path(runner.buckets[-1]),
+              "method": "interleaved calls, difference of means",
               "run_us_sink_off": round(off, 2), "run_us_sink_on": round(on, 2),
-              "overhead_pct": round(paired_pct, 2), "rounds": rounds,
-              "timings_recorded": recorded, "batches_with_sink": rounds * calls,
-              "timed_batch_us": round(timed_us, 2),
-              "overhead_explained_pct": round((timed_us - off) * recorded / layers / (rounds * calls) / off * 100, 2)}
+              "run_us_median_off": round(statistics.median(samples[False]), 2),
+              "run_us_median_on": round(statistics.median(samples[True]), 2),
+              "overhead_pct": round((on - off) / off * 100, 2),
+              "overhead_stderr_pct": round(stderr / off * 100, 2),
+              "calls_each": calls, "timed_batches": timed_batches, "timed_batch_us": round(timed_us, 2),
+              "overhead_explained_pct": round((timed_us - off) * timed_batches / calls / off * 100, 2)}
     log(f"    timing overhead ({result['path']} path): run() {off:.1f} us without a sink, {on:.1f} us "
-        f"with one ({result['overhead_pct']:+.2f}%), {recorded} layer timings recorded; a timed batch "
-        f"alone {timed_us:.1f} us, which explains {result['overhead_explained_pct']:+.2f}%")
+        f"with one ({result['overhead_pct']:+.2f}% +- {result['overhead_stderr_pct']:.2f}), {timed_batches} "
+        f"timed batches ({layers} layers each); a timed batch alone {timed_us:.1f} us, which explains "
+        f"{result['overhead_explained_pct']:+.2f}%")
     return result
 
 
@@ -254,7 +261,7 @@ def worker(items: list[tuple[str, int, str]], repeats: int) -> None:
             torch._dynamo.reset()  # each model compiles afresh, within dynamo's recompile limits
         fused_model, torch_model = pairs[name]
         if impl == "timing_overhead":
-            log("OVERHEAD " + json.dumps(timing_overhead(fused_model, batch, rounds=10)))
+            log("OVERHEAD " + json.dumps(timing_overhead(fused_model, batch, calls=10000)))
             continue
         if (name, batch) not in inputs:
             torch.manual_seed(batch)
