@@ -16,7 +16,7 @@ import triton
 from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import small_m, tiled, tma_persistent
+from kernels import normalize, small_m, tiled, tma_persistent
 from kernels._sm90 import compile_sm90
 from kernels.common import FP32_PRECISIONS
 from kernels.activations import ACTIVATIONS
@@ -26,6 +26,10 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
     """Compile what ``module.launch`` would run for this shape (mock tensors, bias present), as a
     programmatic dependent launch (with the weight prefetch, where the kernel has one) or not.
     ``precision``: fp32 dots' ``input_precision`` (16-bit dots ignore it)."""
+    if module is normalize:  # the input normalization: x [M, K] fp32 -> [M, K] dtype (N is not used)
+        x, shift, scale = MockTensor(torch.float32, [M, K]), MockTensor(torch.float32, [K]), MockTensor(torch.float32, [K])
+        return [compile_sm90(normalize._normalize_kernel, (x, shift, scale, MockTensor(dtype, [M, K]), M, K, K, K),
+                             dict(USE_PDL=pdl, BLOCK=normalize.BLOCK, **config))]
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     common = dict(HAS_BIAS=True, ACTIVATION=activation, UPCAST_BF16=False)
     precision = dict(INPUT_PRECISION=precision if dtype == torch.float32 else "tf32")
@@ -71,6 +75,8 @@ def plan():
              for module in (small_m, tiled, tma_persistent) for act in ACTIVATIONS]
     gemv = next(cfg for cfg in small_m.candidates(3, 1000, 704, torch.float16) if cfg.get("GEMV"))
     jobs += [(small_m, 3, 1000, 704, torch.float16, gemv, act, "tf32") for act in ACTIVATIONS]
+    jobs += [(normalize, 70, 64, 64, dtype, {"num_warps": 4}, "none", "ieee")
+             for dtype in (torch.float32, torch.float16, torch.bfloat16)]
     return jobs
 
 

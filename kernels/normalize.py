@@ -14,6 +14,7 @@ import triton.language as tl
 from kernels.arguments import interpreting
 from kernels.common import launch_dependents_then_wait, pdl_supported
 
+NAME = "triton_normalize"
 # Elements per program: 8 per thread at 4 warps (two 16-byte fp32 vectors).
 BLOCK = 1024
 
