@@ -50,3 +50,13 @@ def check_args(x, weight, bias, activation):
         raise ValueError("x is a CPU tensor: fused_linear needs CUDA tensors, or TRITON_INTERPRET=1 "
                          "set before kernels is imported to run the kernels on CPU (slowly)")
     raise ValueError(f"x is on {x.device}; fused_linear runs on CUDA (or CPU under TRITON_INTERPRET=1)")
+
+
+def check_normalization(shift, scale, K, device):
+    """The input normalization's ``shift`` and ``scale``: contiguous float32 ``[K]`` on ``device``
+    (ValueError naming the first that is not)."""
+    for name, t in (("shift", shift), ("scale", scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (K,) \
+                or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"{name} must be a contiguous float32 [{K}] tensor on {device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")

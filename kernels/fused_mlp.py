@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels import autotune_cache, dispatch
 from kernels.activations import ACTIVATIONS, apply_activation
+from kernels.arguments import check_normalization
 from kernels.common import dot_acc, dot_precision, launch_dependents_then_wait, pdl_supported
 
 NAME = "triton_fused_mlp"
@@ -365,12 +366,7 @@ def _checked_input(h, packed: PackedMLP, index: int, shift, scale) -> torch.Tens
     if h.stride(1) != 1:
         h = h.contiguous()
     if index == 0:
-        for name, t in (("shift", shift), ("scale", scale)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (K,) \
-                    or not t.is_contiguous() or t.device != h.device:
-                raise ValueError(f"{name} must be a contiguous float32 [{K}] tensor on {h.device}, "
-                                 f"got {getattr(t, 'dtype', type(t).__name__)} "
-                                 f"{list(getattr(t, 'shape', []))}")
+        check_normalization(shift, scale, K, h.device)
     return h
 
 

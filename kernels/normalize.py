@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arguments import interpreting
+from kernels.arguments import DTYPES, check_normalization, interpreting
 from kernels.common import launch_dependents_then_wait, pdl_supported
 
 NAME = "triton_normalize"
@@ -48,13 +48,9 @@ def normalize(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dtype: 
         raise ValueError(f"x must be a float32 [M, K] tensor, got {getattr(x, 'dtype', type(x).__name__)} "
                          f"{list(getattr(x, 'shape', []))}")
     K = x.shape[1]
-    for name, t in (("shift", shift), ("scale", scale)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (K,) \
-                or not t.is_contiguous() or t.device != x.device:
-            raise ValueError(f"{name} must be a contiguous float32 [{K}] tensor on {x.device}, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    check_normalization(shift, scale, K, x.device)
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be one of {DTYPES}, got {dtype}")
     if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
         raise ValueError(f"x is on {x.device}; normalize runs on CUDA (or CPU under TRITON_INTERPRET=1)")
     if x.stride(1) != 1:
