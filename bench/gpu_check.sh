@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One pass over everything that needs the GPU: GPU tests, kernel and model benchmarks, and an
 # end-to-end server check. Run on the GPU host from the repository root:
-#   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small e2e model kernels
+#   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-tma e2e model
 #                                         kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32
-# kernels-small: N=K=4096 at M <= 512, fp16 timed before bf16, no torch.compile (kernels_h200_small.json).
+# kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16, no
+# torch.compile (kernels_h200_small.json). tests-tma: the GPU tests of the TMA persistent kernel only.
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -74,8 +75,10 @@ for s in "${stages[@]}"; do
             -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py ;;
         tests-gluon-small) stage tests-gluon-small 300 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
             -p no:cacheprovider tests/kernels/test_gluon_small_m.py tests/kernels/test_fused_linear_gpu.py ;;
+        tests-tma) stage tests-tma 200 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header -p no:cacheprovider \
+            tests/kernels/test_fused_linear_gpu.py tests/kernels/test_fused_linear.py -k "tma" ;;
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
-            --ms 1,4,16,32,64,128,256,512 --dtypes float16,bfloat16 --tag h200_small --out "$out" ;;
+            --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes float16,bfloat16 --tag h200_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 240 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --out "$out" ;;
@@ -90,6 +93,6 @@ for s in "${stages[@]}"; do
         fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_h200.json' &&
             FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag h200_tf32x3 --out '$out'" ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
-        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32)" | tee -a "$log" ;;
     esac
 done

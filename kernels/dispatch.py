@@ -21,6 +21,8 @@ MID_M_MAX = 512
 # side) is at most 128 rows, so past 128 the batch is split over programs. Past 256 the layer is
 # compute-bound and the persistent tiled kernels, with 128-row tiles on both sides, are left to it.
 GLUON_SMALL_M_MAX = 256
+# The SM count the candidate rules are written for (an H200's): which splits of the work fill one wave.
+SMS = 132
 # Autotune keys bucket M up to this; larger batches share the biggest bucket's choice.
 M_BUCKET_CAP = 4096
 

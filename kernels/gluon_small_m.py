@@ -53,9 +53,8 @@ INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
 _SMEM_BUDGET = 200 * 1024
 
 
-# An H200's SMs. Programs worth launching: two per SM; more M splits than that only re-read W.
-_SMS = 132
-_MAX_PROGRAMS = 2 * _SMS
+# Programs worth launching: two per SM of an H200; more M splits than that only re-read W.
+_MAX_PROGRAMS = 2 * dispatch.SMS
 
 
 def block_m(M):
@@ -91,7 +90,7 @@ def candidates(M, N, K, dtype):
             for s in (1, 2) if i == 0 else (1, ):
                 # Past one program per SM, two programs' rings must fit in one SM's shared memory.
                 programs = triton.cdiv(N, 64) * triton.cdiv(M, bm) * s
-                budget = _SMEM_BUDGET if programs <= _SMS else _SMEM_BUDGET // 2
+                budget = _SMEM_BUDGET if programs <= dispatch.SMS else _SMEM_BUDGET // 2
                 deepest = min(12, budget // ((64 + bm) * block_k * 2))
                 depth = deepest if stages is None else min(stages, deepest)
                 if depth < 3 or (block_k == 64 and bm <= 64):  # 64 deep only pays where X's tile is wide
