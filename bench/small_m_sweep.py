@@ -1,11 +1,12 @@
 """Sweep the weight-streaming kernel's configs with and without programmatic dependent launch
 (PDL) and the weight prefetch, next to cuBLAS, at small M: the data behind ``kernels.small_m``'s
-candidate lists. For M > 64 it sweeps the TMA persistent kernel's configs instead. With
+candidate lists. For M > 64 it sweeps the TMA persistent kernel's candidates instead. With
 ``--kernel gluon`` it sweeps ``kernels.gluon_small_m`` (Hopper) at M <= 64 instead.
 
 Run on a CUDA GPU from the repository root (stops starting new configs after --budget-s):
 
     python bench/small_m_sweep.py --out bench/results/small_m_sweep_h200.jsonl [--budget-s 280] [--kernel gluon]
+                                  [--shapes 256x4096x4096,512x4096x4096]
 
 Each line of the output is one timing: {"M", "N", "K", "impl", "cfg", "pdl", "pre", "us"} (or
 "err"), bf16, timed as ``bench/kernels.py`` times (cold L2, CUDA-graph replays). Every config runs
@@ -96,7 +97,7 @@ def sweep_shape(M, N, K, emit, deadline, gluon=False):
         module, configs = gluon_small_m, gluon_configs(M, N, K)
     else:
         module = small_m if M <= 64 else tma_persistent
-        configs = sweep_configs(M, N) if M <= 64 else tma_persistent.CONFIGS
+        configs = sweep_configs(M, N) if M <= 64 else tma_persistent.candidates(M, N, K, torch.bfloat16)
     first = (True, M <= 64 and not gluon)  # the Gluon kernel has no weight prefetch
     timings = []
     for config in configs:
@@ -114,18 +115,26 @@ def sweep_shape(M, N, K, emit, deadline, gluon=False):
     torch.cuda.empty_cache()
 
 
+def _shapes(text):
+    try:
+        return [tuple(int(v) for v in shape.split("x", 2)) for shape in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MxNxK,..., got {text!r}") from None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="JSON-lines file to write")
     parser.add_argument("--budget-s", type=float, default=280.0, help="start no new config after this")
     parser.add_argument("--kernel", choices=("triton", "gluon"), default="triton",
                         help="sweep the Triton weight-streaming kernels (default) or the Gluon one")
+    parser.add_argument("--shapes", type=_shapes, help="MxNxK,... to sweep instead of the plan")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("small_m_sweep.py needs a CUDA GPU")
     deadline = time.monotonic() + args.budget_s
     with JsonLines(args.out) as out:
-        for M, N, K in GLUON_PLAN if args.kernel == "gluon" else PLAN:
+        for M, N, K in args.shapes or (GLUON_PLAN if args.kernel == "gluon" else PLAN):
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s} s spent before M={M} N={N} K={K}")
                 break
