@@ -4,12 +4,6 @@
 order (GROUP_M tile rows share W tiles in L2); tiles are moved by TMA through host-side
 ``TensorDescriptor``s, which also zero-fill loads past the edges and clip stores, so no masks are
 needed. Needs 16-byte aligned base pointers and row strides (``tma_compatible``).
-
-Split-K for a few hundred rows: there, 128 x 128 tiles are about one per SM, and each reads its X
-and W rows from L2 in full (at M=512, N=K=4096: 256 MB for 17 GFLOP, ~10 TB/s from L2 at cuBLASLt's
-speed). Larger tiles read less per flop but leave SMs idle, unless K is split: ``SPLIT_K`` programs
-share a tile, each over a slice of K, and store fp32 partial sums; the last of them to finish (a
-counter per tile) adds the partials in split order (deterministic), then applies the epilogue.
 """
 
 import torch
@@ -17,7 +11,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import dispatch, small_m
 from kernels.activations import apply_activation
 from kernels.common import launch_dependents_then_wait
 
@@ -42,27 +35,8 @@ INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps
 _INTERPRET_PROGRAMS = 3
 
 
-# Split-K variants: these tiles, with K split in 2 or 4 where the work units still fit in one wave
-# on an H200 and each keeps at least 8 K tiles.
-_SPLIT_TILES = (
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_STORE=True),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-)
-_SPLITS = (2, 4)
-_MIN_K_TILES_PER_SPLIT = 8
-
-
 def candidates(M, N, K, dtype):
-    """``CONFIGS`` (unsplit, 16-bit inputs only: see tma_compatible and kernels.dispatch), then the
-    split-K variants of ``_SPLIT_TILES`` that fill at most one wave of ``dispatch.SMS``."""
-    configs = list(CONFIGS)
-    for base in _SPLIT_TILES:
-        tiles = triton.cdiv(M, base["BLOCK_M"]) * triton.cdiv(N, base["BLOCK_N"])
-        for split in _SPLITS:
-            if tiles * split <= dispatch.SMS and triton.cdiv(K, base["BLOCK_K"]) >= _MIN_K_TILES_PER_SPLIT * split:
-                configs.append(dict(base, SPLIT_K=split))
-    return configs
+    return CONFIGS  # 16-bit inputs only (see tma_compatible and kernels.dispatch)
 
 
 def tma_compatible(*tensors):
@@ -78,8 +52,6 @@ def tma_compatible(*tensors):
 def _tma_persistent_kernel(
     # descriptors: x [M, K], w [N, K], y [M, N]; bias is a plain pointer
     x_desc, w_desc, y_desc, b_ptr,
-    # split-K only (else unread): fp32 workspace [SPLIT_K, M, N] and int32 tile counters
-    part_ptr, lock_ptr,
     # sizes
     M, N, K,
     # meta-parameters
@@ -87,7 +59,6 @@ def _tma_persistent_kernel(
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_STORE: tl.constexpr,  # store the tile as two [BLOCK_M, BLOCK_N // 2] halves
-    SPLIT_K: tl.constexpr,  # programs per output tile, each over a slice of K
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
 ):
     if USE_PDL:
@@ -95,24 +66,19 @@ def _tma_persistent_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
     num_tiles = num_pid_m * num_pid_n
     num_in_group = GROUP_M * num_pid_n
 
-    # Work units: (tile, K slice), the slices of one tile next to each other.
-    for unit in tl.range(tl.program_id(0), num_tiles * SPLIT_K, tl.num_programs(0), flatten=SPLIT_K == 1):
-        tile = unit // SPLIT_K
-        split = unit % SPLIT_K
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
         # Grouped tile order (see kernels.tiled).
         first_m = (tile // num_in_group) * GROUP_M
         group_rows = min(num_pid_m - first_m, GROUP_M)
         off_m = (first_m + (tile % num_in_group) % group_rows) * BLOCK_M
         off_n = ((tile % num_in_group) // group_rows) * BLOCK_N
 
-        # Main loop over this unit's K tiles: TMA loads (zero-filled past the edges), fp32 accumulator.
+        # Main loop: TMA loads (zero-filled past the edges), fp32 accumulator.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        kt_stop = tl.minimum((split + 1) * per_split, k_tiles)
-        for kt in range(split * per_split, kt_stop):
+        for kt in range(k_tiles):
             x = x_desc.load([off_m, kt * BLOCK_K])
             w = w_desc.load([off_n, kt * BLOCK_K])
             if UPCAST_BF16:
@@ -120,55 +86,19 @@ def _tma_persistent_kernel(
                 w = w.to(tl.float32)
             acc = tl.dot(x, w.T, acc)
 
-        last = True
-        if SPLIT_K > 1:
-            acc, last = _reduce_splits(acc, part_ptr, lock_ptr + tile, off_m, off_n, split, M, N, BLOCK_M, BLOCK_N,
-                                       SPLIT_K)
-        if last:
-            _epilogue(acc, y_desc, b_ptr, off_m, off_n, N, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N, SPLIT_STORE)
-
-
-@triton.jit
-def _reduce_splits(acc, part_ptr, lock_ptr, off_m, off_n, split, M, N, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Store this split's partial sums of the tile; the last split to arrive gets back their sum in
-    split order (the same every run) and True, the others their own and False."""
-    rows = off_m + tl.arange(0, BLOCK_M)
-    cols = off_n + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(part_ptr + split * M * N + offs, acc, mask=mask)
-    # Every thread's partial store is issued before the tile's counter moves (the barrier); the
-    # counter's acq_rel orders those stores before the last split's reads.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
-    last = arrived == SPLIT_K - 1
-    if last:
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(SPLIT_K):  # this split's own sums from registers; .cg: the others' from L2
-            other = tl.load(part_ptr + s * M * N + offs, mask=mask & (s != split), other=0.0, cache_modifier=".cg")
-            total += tl.where(s == split, acc, other)
-        acc = total
-        tl.atomic_xchg(lock_ptr, 0)  # ready for the next launch
-    return acc, last
-
-
-@triton.jit
-def _epilogue(acc, y_desc, b_ptr, off_m, off_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_STORE: tl.constexpr):
-    # Bias and activation while the accumulator is still in fp32, then TMA stores (clipped at the
-    # edges).
-    if HAS_BIAS:
-        cols = off_n + tl.arange(0, BLOCK_N)
-        acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACTIVATION)
-    if SPLIT_STORE:
-        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        left, right = tl.split(halves)
-        y_desc.store([off_m, off_n], left.to(y_desc.dtype))
-        y_desc.store([off_m, off_n + BLOCK_N // 2], right.to(y_desc.dtype))
-    else:
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+        # Epilogue: bias and activation while the accumulator is still in fp32, then one TMA store
+        # (clipped at the edges).
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION)
+        if SPLIT_STORE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            left, right = tl.split(halves)
+            y_desc.store([off_m, off_n], left.to(y_desc.dtype))
+            y_desc.store([off_m, off_n + BLOCK_N // 2], right.to(y_desc.dtype))
+        else:
+            y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
 def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
@@ -177,29 +107,19 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     ``input_precision`` is accepted for a uniform launcher signature; 16-bit dots ignore it."""
     M, K = x.shape
     N = weight.shape[0]
-    meta = dict(SPLIT_STORE=False, SPLIT_K=1) | dict(config)
+    meta = dict(SPLIT_STORE=False) | dict(config)
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
     w_desc = TensorDescriptor.from_tensor(weight, [bn, bk])
     y_desc = TensorDescriptor.from_tensor(out, [bm, bn // 2 if meta["SPLIT_STORE"] else bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    locks = part = out  # unread unless split
-    if meta["SPLIT_K"] > 1:
-        locks = small_m.tile_counters(x.device)
-        if locks is None:  # first split-K launch inside a graph capture: unsplit is as right
-            meta["SPLIT_K"], locks = 1, out
-        elif tiles > locks.numel():
-            raise ValueError(f"config {config}: split-K over {tiles} tiles, more than the {locks.numel()} "
-                             f"tile counters")
-        else:
-            part = torch.empty((meta["SPLIT_K"], M, N), device=x.device, dtype=torch.float32)
     if x.is_cuda:
         programs = torch.cuda.get_device_properties(x.device).multi_processor_count
     else:
         programs = _INTERPRET_PROGRAMS
-    programs = min(programs, tiles * meta["SPLIT_K"])
+    programs = min(programs, tiles)
     _tma_persistent_kernel[(programs,)](
-        x_desc, w_desc, y_desc, bias if bias is not None else out, part, locks,
+        x_desc, w_desc, y_desc, bias if bias is not None else out,
         M, N, K,
         HAS_BIAS=bias is not None, ACTIVATION=activation, UPCAST_BF16=upcast_bf16,
         USE_PDL=pdl, **meta, **({"launch_pdl": True} if pdl else {}),

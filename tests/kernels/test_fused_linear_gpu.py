@@ -128,7 +128,6 @@ def _candidates(module, M, N, K, dtype=torch.bfloat16):
                          + _candidates(small_m, 5, 4096, 4096) + _candidates(small_m, 64, 1000, 700)
                          + _candidates(small_m, 300, 1000, 704) + _candidates(tiled, 300, 1000, 700)
                          + _candidates(tma_persistent, 300, 1000, 704)
-                         + _candidates(tma_persistent, 200, 1000, 2056)  # (its split-K configs too)
                          + _candidates(small_m, 1, 1000, 700, torch.float32)
                          + _candidates(small_m, 5, 1000, 700, torch.float32)
                          + _candidates(tiled, 300, 1000, 700, torch.float32))
