@@ -80,7 +80,7 @@ for s in "${stages[@]}"; do
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
             --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes float16,bfloat16 --tag h200_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
-        model) stage model 240 python3 bench/model.py --quick --out "$out" ;;
+        model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --out "$out" ;;
         load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
