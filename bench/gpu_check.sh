@@ -4,7 +4,9 @@
 #   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-tma e2e model
 #                                         kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32
 # kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16, no
-# torch.compile (kernels_h200_small.json). tests-tma: the GPU tests of the TMA persistent kernel only.
+# torch.compile (kernels_h200_small.json). kernels-full: the whole plan, ~20 min on an H200, so
+# KERNELS_NK="8192x8192" runs it at those N x K only (kernels_h200_8192x8192.json).
+# tests-tma: the GPU tests of the TMA persistent kernel only.
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -82,7 +84,8 @@ for s in "${stages[@]}"; do
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --out "$out" ;;
-        kernels-full) stage kernels-full 570 python3 bench/kernels.py --out "$out" ;;
+        kernels-full) stage kernels-full 570 python3 bench/kernels.py --budget-s 400 --out "$out" \
+            ${KERNELS_NK:+--nk "$KERNELS_NK" --tag "h200_${KERNELS_NK//,/_}"} ;;
         load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
         profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
             python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;

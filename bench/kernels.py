@@ -244,10 +244,12 @@ class CompileCache:
         return timed
 
 
-def plan(quick, ms=None, dtypes=None):
+def plan(quick, ms=None, dtypes=None, nk=None):
     """(M, N, K, dtype) in the order measured: the headline shape first, in case time runs out.
     With ``ms`` and ``dtypes``: exactly those batch sizes at N=K=4096, dtypes in the order given
-    (e.g. to see whether a dtype measures differently when it is not the first one timed)."""
+    (e.g. to see whether a dtype measures differently when it is not the first one timed). With
+    ``nk``: the full plan's batch sizes and dtypes at those (N, K) only (the full plan takes ~10 s a
+    shape on an H200, so its 116 shapes do not fit one 10-minute GPU session: run it in parts)."""
     if ms or dtypes:
         return [(M, 4096, 4096, dt) for dt in dtypes or (torch.bfloat16, torch.float16) for M in ms or QUICK_MS]
     shapes = []
@@ -256,7 +258,7 @@ def plan(quick, ms=None, dtypes=None):
         shapes += [(M, 11008, 4096, torch.bfloat16) for M in (1, 16, 1024)]
         shapes += [(M, 4096, 4096, torch.float32) for M in (1, 1024)]
         return shapes
-    for N, K in FULL_NK:
+    for N, K in nk or FULL_NK:
         for dt in (torch.bfloat16, torch.float16):
             shapes += [(M, N, K, dt) for M in FULL_MS]
         if (N, K) == (4096, 4096):
@@ -352,6 +354,16 @@ def plot(rows, copy_tbps, peak_tflops, path):
     log(f"wrote {path}")
 
 
+def _nk_list(text):
+    try:
+        pairs = [tuple(int(v) for v in nk.split("x")) for nk in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected NxK,... (e.g. 8192x8192,1024x1024), got {text!r}")
+    return pairs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for the JSON and PNG")
@@ -367,6 +379,8 @@ def main():
                         help="only these batch sizes (comma-separated), at N=K=4096")
     parser.add_argument("--dtypes", type=lambda v: [getattr(torch, d) for d in v.split(",")], default=None,
                         help="only these dtypes, in this order (e.g. float16,bfloat16), at N=K=4096")
+    parser.add_argument("--nk", type=_nk_list, default=None,
+                        help="full plan at these NxK only (comma-separated, e.g. 8192x8192,1024x1024)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (saves its compile time)")
     parser.add_argument("--tag", default="h200", help="file name suffix: kernels_<tag>.json/.png")
     args = parser.parse_args()
@@ -382,7 +396,7 @@ def main():
     copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
     log(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.2f} TB/s, bf16 matmul {peak:.0f} TFLOP/s")
     compile_cache = CompileCache(args.quick)
-    rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes), False
+    rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
     for i, (M, N, K, dtype) in enumerate(shapes, 1):
         if time.perf_counter() - t0 - compile_cache.spent > budget:
             log(f"time budget of {budget:.0f} s spent: stopping before shape {i}/{len(shapes)}")
