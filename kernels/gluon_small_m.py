@@ -40,10 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import dispatch, small_m
-from kernels.gluon_linear import _TORCH_TO_GL, _activation
+from kernels.gluon_linear import _TORCH_TO_GL, _activation, tma_descriptor
 
 NAME = "gluon_small_m"
 MAX_M = dispatch.GLUON_SMALL_M_MAX  # rows of X one launch takes (in tiles of at most 128)
@@ -227,11 +226,8 @@ def _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIA
 
 def descriptors(x, weight, config):
     """TMA descriptors of W and X for ``config`` (``x``/``weight`` may be MockTensors)."""
-    gl_dtype = _TORCH_TO_GL[weight.dtype]
-    w_block = [config["BLOCK_N"], config["BLOCK_K"]]
-    x_block = [config.get("BLOCK_M", block_m(x.shape[0])), config["BLOCK_K"]]
-    w_desc = TensorDescriptor.from_tensor(weight, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl_dtype))
-    x_desc = TensorDescriptor.from_tensor(x, x_block, gl.NVMMASharedLayout.get_default_for(x_block, gl_dtype))
+    w_desc = tma_descriptor(weight, (config["BLOCK_N"], config["BLOCK_K"]))
+    x_desc = tma_descriptor(x, (config.get("BLOCK_M", block_m(x.shape[0])), config["BLOCK_K"]))
     return w_desc, x_desc
 
 
