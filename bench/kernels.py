@@ -12,7 +12,9 @@ both measured in the same run), and prints a table plus the targets of issue 3.
 Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
 replays of many calls that cycle over enough (x, W, b) sets that each call finds its weights out of
 L2 (cold L2, as in serving, where other layers run in between). The reported time is the median
-over repeats of (replay time / calls), so Python launch cost is not counted for anyone.
+over repeats of (replay time / calls), so Python launch cost is not counted for anyone. The impls
+of one shape are replayed in interleaved rounds (one replay of each per round), so a drift of the
+GPU's clocks during the shape is shared by all of them rather than charged to whichever ran last.
 """
 
 import argparse
@@ -108,37 +110,44 @@ def estimate_us(M, N, K, dtype):
     return max(moved / 3e12, 2 * M * N * K / 500e12) * 1e6 + 2
 
 
-def time_graph(fn, sets, calls, repeats):
-    """Median microseconds per call over ``repeats`` replays of a graph of ``calls`` calls."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(*sets[i % len(sets)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(samples)
-
-
-def warm_and_time(fn, sets, M, N, K, dtype, repeats):
-    """Warm every set (compiles and tunes outside the capture), then median microseconds per call."""
+def capture(fn, sets, M, N, K, dtype):
+    """Warm every set (compiles and tunes outside the capture), then a CUDA graph of back-to-back
+    calls cycling over the sets, replayed once; returns (graph, calls)."""
     for s in sets:
         fn(*s)
     torch.cuda.synchronize()
     calls = max(len(sets), min(MAX_CALLS, math.ceil(REPLAY_TARGET_US / estimate_us(M, N, K, dtype))))
     calls = math.ceil(calls / len(sets)) * len(sets)
-    return time_graph(fn, sets, calls, repeats)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
+    graph.replay()
+    return graph, calls
+
+
+def time_graphs(graphs, repeats):
+    """Median microseconds per call of each ``name: (graph, calls)``, the graphs' replays interleaved
+    (one of each per round), so that a drift of the GPU's clocks over the run is shared by all."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = {name: [] for name in graphs}
+    for _ in range(repeats):
+        for name, (graph, calls) in graphs.items():
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e3 / calls)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def warm_and_time(fn, sets, M, N, K, dtype, repeats):
+    """Median microseconds per call of one impl timed alone."""
+    return time_graphs({"impl": capture(fn, sets, M, N, K, dtype)}, repeats)["impl"]
 
 
 def measure(fn, sets, M, N, K, dtype, repeats):
-    """Check once, then warm and time."""
+    """Check once, then warm and time one impl alone: (us per call, relative error)."""
     rel = check(fn, *sets[0])
     return warm_and_time(fn, sets, M, N, K, dtype, repeats), rel
 
@@ -167,29 +176,30 @@ def impls_for(M, N, K, dtype, compiled, forced):
 
 
 def bench_shape(M, N, K, dtype, impls, repeats):
-    rows = []
+    """Check and capture every impl, then time them all in interleaved rounds (``time_graphs``)."""
+    rows, graphs, errors = [], {}, {}
     sets = make_sets(M, N, K, dtype)
     for impl, fn in impls.items():
         try:
-            us, rel = measure(fn, sets, M, N, K, dtype, repeats)
+            errors[impl] = check(fn, *sets[0])
+            graphs[impl] = capture(fn, sets, M, N, K, dtype)
         except ValueError as e:
             if impl.startswith("fusedserve_") and str(e).startswith("name "):
                 continue  # run_kernel: that kernel cannot run this shape (e.g. no Gluon off Hopper)
             log(f"  !! {impl} M={M} N={N} K={K} {dtype}: ValueError: {str(e)[:300]}")
             rows.append(dict(M=M, N=N, K=K, dtype=str(dtype).removeprefix("torch."), impl=impl, error=str(e)[:500]))
-            continue
         except Exception as e:  # a failed impl is reported in the results, and the others still run
             log(f"  !! {impl} M={M} N={N} K={K} {dtype}: {type(e).__name__}: {str(e)[:300]}")
             rows.append(dict(M=M, N=N, K=K, dtype=str(dtype).removeprefix("torch."), impl=impl, error=str(e)[:500]))
-            continue
-        extra = dict(max_rel_err=float(f"{rel:.3g}"))
+    for impl, us in time_graphs(graphs, repeats).items():
+        extra = dict(max_rel_err=float(f"{errors[impl]:.3g}"))
         if impl in OURS:
             extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda",
                                                              static_weight=impl == "fusedserve_static_weight")
         if dtype == torch.float32 and impl.startswith("fusedserve"):
             extra["fp32_precision"] = dot_precision(dtype)  # "tf32x3", "ieee" or (torch allowing) "tf32"
         rows.append(row(M, N, K, dtype, impl, us, **extra))
-    del sets
+    del graphs, sets
     torch.cuda.empty_cache()
     return rows
 
