@@ -29,7 +29,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
 from bench.json_lines import JsonLines  # noqa: E402
-from kernels import gluon_small_m, small_m, tma_persistent  # noqa: E402
+from kernels import dispatch, gluon_small_m, small_m, tma_persistent  # noqa: E402
 
 # (M, N, K), most telling first, in case the budget runs out.
 PLAN = ((1, 4096, 4096), (16, 4096, 4096), (4, 4096, 4096), (1, 1024, 1024), (8, 1024, 1024),
@@ -66,7 +66,7 @@ def gluon_configs(M, N, K):
         for stages in sorted({min(12, deepest), 4 if (bn, bk) == (64, 128) else deepest}):
             if 3 <= stages <= deepest:
                 configs += [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, STAGES=stages, num_warps=4)
-                            for s in (1, 2, 4, 8) if triton.cdiv(N, bn) * s <= 4 * 132
+                            for s in (1, 2, 4, 8) if triton.cdiv(N, bn) * s <= 4 * dispatch.SMS
                             and (s == 1 or triton.cdiv(K, bk) >= 2 * s)]
     return configs
 

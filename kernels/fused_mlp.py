@@ -88,7 +88,7 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
     )
 
 
-def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict:
+def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = dispatch.SMS) -> dict:
     """The first tile config tried for one ``[M, N]`` layer output, and the one used wherever
     nothing is timed (the interpreter, a batch bucket ``tune_chain`` has not tuned). Small batches are
     latency-bound: narrow tiles, so a layer gets many programs (a 256-wide layer at batch 1 gets 16),
@@ -121,7 +121,7 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = 132) -> dict
 _FMA_ELEMENTS = 16384
 
 
-def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 132) -> list[dict]:
+def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = dispatch.SMS) -> list[dict]:
     """Tile configs ``tune_chain`` times for one layer (``fused_mlp_config`` first), at most 7.
     Up to 16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep
     (``bench/fused_mlp_sweep.py``; 64 deep for a narrow K, 256 deep with 2 warps for the

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import dispatch
 from kernels.activations import apply_activation
 from kernels.common import dot_acc, launch_dependents_then_wait
 
@@ -76,7 +77,7 @@ def _gemv_tiles(M, dtype):
 
 
 # Split K only while the grid stays within about 4 programs per SM of an H200 (132 SMs).
-_MAX_PROGRAMS = 4 * 132
+_MAX_PROGRAMS = 4 * dispatch.SMS
 
 
 def _splits(programs, k_blocks, ways=(1, 2, 4, 8)):
