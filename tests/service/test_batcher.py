@@ -241,7 +241,7 @@ async def test_slow_batches_and_zero_threshold_stay_on_the_worker_thread():
 
 
 class SlowOffTheLoop(ThreadSpy):
-    """5 ms a batch on the worker thread, nothing on the loop's: what waiting for the GIL held by a
+    """20 ms a batch on the worker thread, nothing on the loop's: what waiting for the GIL held by a
     busy event loop looks like from the worker."""
 
     def __init__(self, loop_thread):
@@ -249,18 +249,20 @@ class SlowOffTheLoop(ThreadSpy):
         self.loop_thread = loop_thread
 
     def run(self, x):
-        self.seconds = 0.0 if threading.current_thread().name == self.loop_thread else 0.005
+        self.seconds = 0.0 if threading.current_thread().name == self.loop_thread else 0.02
         return super().run(x)
 
 
 async def test_a_row_count_sent_to_the_worker_is_measured_again_on_the_loop():
     loop_thread = threading.current_thread().name
     runner = SlowOffTheLoop(loop_thread)
-    b, _ = await started(runner, inline_batch_ms=1.0)
+    # 10 ms: far under the worker's 20 ms and far over an empty run on the loop, even on a loaded
+    # 2-core CI machine (at 1 ms, a pause there once sent the loop's run back to the worker).
+    b, _ = await started(runner, inline_batch_ms=10.0)
     for _ in range(REMEASURE_EVERY + 4):
         await b.submit(rows(1))
     on_loop = [i for i, name in enumerate(runner.threads) if name == loop_thread]
-    # Batch 0 is unmeasured, 1..REMEASURE_EVERY-1 follow the 5 ms the worker measured; then one runs
+    # Batch 0 is unmeasured, 1..REMEASURE_EVERY-1 follow the 20 ms the worker measured; then one runs
     # on the loop, measures ~0 ms, and every later one stays there.
     assert on_loop == list(range(REMEASURE_EVERY, REMEASURE_EVERY + 4)), runner.threads
     await b.stop()
