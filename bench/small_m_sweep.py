@@ -54,8 +54,10 @@ def sweep_configs(M, N):
                     for s in (1, 2, 4, 8) if triton.cdiv(N, bn) * s <= MAX_PROGRAMS]
     if M <= 8:
         for bn, bk, warps, stages in GEMV_TILES:
-            configs += [dict(GEMV=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps, num_stages=stages)
-                        for s in (1, 2, 4) if triton.cdiv(N, bn) * s <= MAX_PROGRAMS]
+            gemv = [dict(GEMV=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps, num_stages=stages)
+                    for s in (1, 2, 4) if triton.cdiv(N, bn) * s <= MAX_PROGRAMS]
+            # One row: also with W read as int32 pairs of bf16 (kernels.small_m._w_tile).
+            configs += gemv + ([dict(c, PAIRS=True) for c in gemv] if M == 1 else [])
     return configs
 
 

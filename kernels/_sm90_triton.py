@@ -43,9 +43,10 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
         args = (x, w, b, y, part, locks, M, N, K, K, K, N)
         flags = dict(HAS_BIAS=True, ACTIVATION=activation, USE_PDL=pdl, PREFETCH_W=pdl)
         if config.get("GEMV"):
-            meta = {k: v for k, v in config.items() if k != "GEMV"}
+            meta = {k: v for k, v in config.items() if k not in ("GEMV", "PAIRS")}
             return [compile_sm90(small_m._gemv_kernel, args,
-                                 dict(flags, BLOCK_M=triton.next_power_of_2(M), STAGES=meta["num_stages"], **meta))]
+                                 dict(flags, BLOCK_M=triton.next_power_of_2(M), STAGES=meta["num_stages"],
+                                      PAIRS=bool(config.get("PAIRS")) and dtype == torch.bfloat16, **meta))]
         return [compile_sm90(small_m._small_m_kernel, args,
                              dict(flags, UPCAST_BF16=False, **precision, BLOCK_M=small_m.block_m(M), **config))]
     meta = {"SPLIT_STORE": False, **common, **pdl_flags, **config}

@@ -103,6 +103,8 @@ def candidates(M, N, K, dtype):
             for s in _splits(triton.cdiv(N, block_n), triton.cdiv(K, block_k), ways=(1, 2)):
                 configs.append(dict(GEMV=True, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=s,
                                     num_warps=warps, num_stages=stages))
+        if M == 1 and dtype == torch.bfloat16:  # (past one row the pairs' unpacking spills registers)
+            configs[2:2] = [dict(c, PAIRS=True) for c in configs[:2]]
     tiles = _FP32_TILES if dtype == torch.float32 else _TILES
     if configs:
         tiles = tiles[:2]
@@ -203,6 +205,7 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # W tiles in flight per program (cp.async pipeline through shared memory)
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
     PREFETCH_W: tl.constexpr,  # W is constant: read its first tile before that wait
+    PAIRS: tl.constexpr,  # bf16 W read as int32 pairs (K and W's row stride even; see _w_tile)
 ):
     # No tensor cores: each W tile is multiplied by each of the (few) rows of X on the CUDA cores and
     # summed along K. Exact fp32 products for every dtype (no TF32, no padding of M to 16), and W is
@@ -218,7 +221,11 @@ def _gemv_kernel(
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # edge columns wrap; stores are masked
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb_start * BLOCK_K + offs_k)[None, :]
+    if PAIRS:  # int32 elements, half as many per row
+        w_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)
+                  + (kb_start * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2))[None, :])
+    else:
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (kb_start * BLOCK_K + offs_k)[None, :]
 
     # Elementwise accumulators, reduced across K once at the end (no reduction per K step): for one
     # row [BLOCK_N, BLOCK_K]; for several [BLOCK_M, BLOCK_N, BLOCK_K] (rows past M repeat row M-1
@@ -231,11 +238,11 @@ def _gemv_kernel(
         # As in _small_m_kernel: the first W tile is read before waiting on the previous kernel.
         k = kb_start * BLOCK_K + offs_k
         k_in = (k < K) & (kb_start < kb_stop)
-        w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0).to(tl.float32)
+        w = _w_tile(w_ptrs, kb_start, K, kb_start < kb_stop, BLOCK_N, BLOCK_K, PAIRS)
         if USE_PDL:
             launch_dependents_then_wait()
         wide, wide3 = _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M)
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2 if PAIRS else BLOCK_K
         kb_first += 1
     elif USE_PDL:
         launch_dependents_then_wait()
@@ -243,9 +250,9 @@ def _gemv_kernel(
     for kb in tl.range(kb_first, kb_stop, num_stages=STAGES):
         k = kb * BLOCK_K + offs_k
         k_in = k < K
-        w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0).to(tl.float32)
+        w = _w_tile(w_ptrs, kb, K, True, BLOCK_N, BLOCK_K, PAIRS)
         wide, wide3 = _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M)
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2 if PAIRS else BLOCK_K
     if BLOCK_M == 1:
         acc = tl.sum(wide, axis=1)[:, None]  # [BLOCK_N, 1]
     else:
@@ -254,6 +261,26 @@ def _gemv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, pid_n, pid_k,
             HAS_BIAS, ACTIVATION, SPLIT_K)
+
+
+@triton.jit
+def _w_tile(w_ptrs, kb, K, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr):
+    """W's K block ``kb`` as an fp32 [BLOCK_N, BLOCK_K] tile (zeros past K, or where not ``live``).
+
+    PAIRS: ``w_ptrs`` point at [BLOCK_N, BLOCK_K // 2] int32 words, each two bf16 of W. A bf16 is
+    the top half of an fp32, so each half becomes fp32 with one integer op (a shift for the low
+    one, a mask for the high one) where ``cvt.f32.bf16`` compiles to more (sm_90: 1.6 instructions
+    an element against fp16's one HADD2.F32). The halves are interleaved back into K order."""
+    if PAIRS:
+        p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        words = tl.load(w_ptrs, mask=((p < K // 2) & live)[None, :], other=0)
+        low = (words << 16).to(tl.float32, bitcast=True)  # W[n, 2p]
+        high = (words & -65536).to(tl.float32, bitcast=True)  # W[n, 2p + 1] (-65536 is 0xFFFF0000)
+        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+    else:
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptrs, mask=((k < K) & live)[None, :], other=0.0).to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -320,6 +347,13 @@ def tile_counters(device):
     return _locks[device]
 
 
+def pairs_ok(weight):
+    """Whether the GEMV can read bf16 ``weight`` [N, K] as int32 pairs (config ``PAIRS=True``):
+    K and the row stride even, 4-byte aligned; elsewhere a PAIRS config runs without them."""
+    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and weight.stride(0) % 2 == 0
+            and weight.data_ptr() % 4 == 0)
+
+
 def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
            prefetch_weight=False):
     """Run on checked arguments: ``x [M, K]`` and ``weight [N, K]`` with unit column stride,
@@ -352,7 +386,8 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     if pdl:
         meta["launch_pdl"] = True  # a launch option, not a kernel argument
     if gemv:
-        _gemv_kernel[grid](*common, STAGES=meta["num_stages"], **flags, **meta)
+        pairs = meta.pop("PAIRS", False) and pairs_ok(weight)
+        _gemv_kernel[grid](*common, STAGES=meta["num_stages"], PAIRS=pairs, **flags, **meta)
     else:
         _small_m_kernel[grid](*common, INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, **flags, **meta)
     return out

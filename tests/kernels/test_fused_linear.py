@@ -191,6 +191,21 @@ def test_small_m_gemv_variant(M, N, K, dtype, split_k, activation, prefetch):
     assert_matches(out, x, w, b, activation)
 
 
+@pytest.mark.parametrize("K, split_k", [(130, 1), (1000, 2), (129, 1)])  # 129: odd K, no pairs
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_gemv_reads_bf16_weights_as_pairs(K, split_k, prefetch):
+    x, w, b = make(1, 33, K, torch.bfloat16)
+    assert small_m.pairs_ok(w) == (K % 2 == 0)
+    config = dict(small_m.INTERPRET_GEMV_CONFIG, SPLIT_K=split_k, PAIRS=True)
+    if DEVICE != "cpu":
+        config = next(c for c in small_m.candidates(1, 4096, 4096, torch.bfloat16) if c.get("PAIRS"))
+        config = dict(config, SPLIT_K=split_k)
+    out = torch.full((1, 33), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    small_m.launch(x, w, b, "relu", out, config, input_precision="ieee", upcast_bf16=False,
+                   prefetch_weight=prefetch, **_pdl())
+    assert_matches(out, x, w, b, "relu")
+
+
 def test_small_m_gemv_refuses_too_many_rows():
     x, w, b = make(small_m.GEMV_MAX_M + 1, 8, 8, torch.float32)
     out = torch.empty((x.shape[0], 8), device=DEVICE)
