@@ -256,22 +256,23 @@ class CompileCache:
 
 def plan(quick, ms=None, dtypes=None, nk=None):
     """(M, N, K, dtype) in the order measured: the headline shape first, in case time runs out.
-    With ``ms`` and ``dtypes``: exactly those batch sizes at N=K=4096, dtypes in the order given
-    (e.g. to see whether a dtype measures differently when it is not the first one timed). With
-    ``nk``: the full plan's batch sizes and dtypes at those (N, K) only (the full plan takes ~10 s a
-    shape on an H200, so its 116 shapes do not fit one 10-minute GPU session: run it in parts)."""
-    if ms or dtypes:
-        return [(M, 4096, 4096, dt) for dt in dtypes or (torch.bfloat16, torch.float16) for M in ms or QUICK_MS]
-    shapes = []
-    if quick:
-        shapes += [(M, 4096, 4096, dt) for dt in (torch.bfloat16, torch.float16) for M in QUICK_MS]
+    ``ms``, ``dtypes`` and ``nk`` narrow the plan and combine: batch sizes (default: the quick or the
+    full list), dtypes in the order given (e.g. to see whether a dtype measures differently when it
+    is not the first one timed) and N x K pairs (default N=K=4096 when ``ms`` or ``dtypes`` is given,
+    else every shape of the full plan, which takes ~10 s a shape on an H200: its 116 shapes do not fit
+    one 10-minute GPU session, so run it in parts). fp32 rows (N=K=4096) only where neither ``ms``
+    nor ``dtypes`` is given."""
+    if quick and not (ms or dtypes or nk):
+        shapes = [(M, 4096, 4096, dt) for dt in (torch.bfloat16, torch.float16) for M in QUICK_MS]
         shapes += [(M, 11008, 4096, torch.bfloat16) for M in (1, 16, 1024)]
         shapes += [(M, 4096, 4096, torch.float32) for M in (1, 1024)]
         return shapes
-    for N, K in nk or FULL_NK:
-        for dt in (torch.bfloat16, torch.float16):
-            shapes += [(M, N, K, dt) for M in FULL_MS]
-        if (N, K) == (4096, 4096):
+    narrowed = bool(ms or dtypes)
+    shapes = []
+    for N, K in nk or (((4096, 4096),) if narrowed else FULL_NK):
+        shapes += [(M, N, K, dt) for dt in dtypes or (torch.bfloat16, torch.float16)
+                   for M in ms or (QUICK_MS if quick else FULL_MS)]
+        if not narrowed and (N, K) == (4096, 4096):
             shapes += [(M, N, K, torch.float32) for M in FP32_MS]
     return shapes
 

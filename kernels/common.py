@@ -1,6 +1,7 @@
 """Pieces every Triton kernel family here shares: programmatic dependent launch (PDL), the
 tensor-core step and its float32 precision."""
 
+import functools
 import os
 
 import torch
@@ -10,12 +11,56 @@ import triton.language as tl
 from kernels.arguments import interpreting
 
 
+def cuda_capability(device) -> tuple[int, int]:
+    """Compute capability of CUDA ``device``. This and the two below read torch's device facts once
+    per device index: torch's lookups cost 10-15 us of host time each, and an eager
+    ``fused_linear`` call used to make five of them."""
+    return _capability(_index(device))
+
+
+def cuda_name(device) -> str:
+    """Name of CUDA ``device`` (the tune cache is kept per GPU model)."""
+    return _name(_index(device))
+
+
+def cuda_sm_count(device) -> int:
+    """Streaming multiprocessors of CUDA ``device``."""
+    return _sm_count(_index(device))
+
+
+def _index(device):
+    # A bare "cuda" means the current device, as it does to torch.
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+
+
+@functools.cache
+def _capability(index):
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.cache
+def _name(index):
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _sm_count(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def forget_devices():
+    """Drop the device facts read so far (for tests that pretend a GPU is present)."""
+    for cached in (_capability, _name, _sm_count):
+        cached.cache_clear()
+
+
 def pdl_supported(device) -> bool:
     """Whether kernels on ``device`` can be programmatic dependent launches (``griddepcontrol``):
     CUDA compute capability 9.0 or later, outside the interpreter. The Triton kernels are launched
     that way wherever it is supported, so back-to-back layers do not pay a launch gap."""
     device = torch.device(device)
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and not interpreting() and cuda_capability(device)[0] >= 9
 
 
 FP32_PRECISION_ENV = "FUSEDSERVE_FP32_PRECISION"

@@ -30,7 +30,7 @@ import triton.language as tl
 from kernels import autotune_cache, dispatch
 from kernels.activations import ACTIVATIONS, apply_activation
 from kernels.arguments import check_normalization
-from kernels.common import dot_acc, dot_precision, launch_dependents_then_wait, pdl_supported
+from kernels.common import cuda_name, cuda_sm_count, dot_acc, dot_precision, launch_dependents_then_wait, pdl_supported
 
 NAME = "triton_fused_mlp"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -187,7 +187,7 @@ def _timed_config(M: int, packed: PackedMLP, index: int, device: torch.device) -
     """The config ``tune_chain`` stored for this layer's batch bucket on this GPU model, or None."""
     if device.type != "cuda":
         return None
-    tuned = autotune_cache.device_cache(torch.cuda.get_device_name(device)).get(_tune_key(M, packed, index))
+    tuned = autotune_cache.device_cache(cuda_name(device)).get(_tune_key(M, packed, index))
     return None if tuned is None else dict(tuned)
 
 
@@ -245,7 +245,7 @@ def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: t
     candidates = [[config] if config is not None else fused_mlp_candidates(M, N, K, dtype, sms)
                   for config, (K, N) in zip(tuned, pairwise(packed.widths))]
     configs = descend_chain(candidates, lambda configs: fused_mlp(x, packed, shift, scale, configs))
-    cache = autotune_cache.device_cache(torch.cuda.get_device_name(device))
+    cache = autotune_cache.device_cache(cuda_name(device))
     for index, config in enumerate(configs):
         if tuned[index] is None:
             cache.put(_tune_key(M, packed, index), config)
@@ -253,12 +253,12 @@ def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: t
 
 
 def sm_count(device) -> int:
-    """SMs of a CUDA device (cached by torch); 1 on the CPU, where the interpreter runs programs
+    """SMs of a CUDA device; 1 on the CPU, where the interpreter runs programs
     one after another and fewer, larger tiles are faster."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return cuda_sm_count(device)
 
 
 def config_str(config: dict) -> str:

@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.common import cuda_capability, cuda_sm_count
+
 GLUON_ACTIVATIONS = ("none", "relu", "gelu", "silu")
 
 _TORCH_TO_GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
@@ -220,15 +222,10 @@ def pick_config(M: int, N: int, num_sms: int) -> GluonConfig:
     return LARGE_M if 2 * large_waves <= 1.1 * medium_waves else MEDIUM_M
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def gluon_config(M: int, N: int, K: int, device: torch.device | str) -> GluonConfig:
     """The config ``gluon_fused_linear`` launches for this shape on ``device`` (a CUDA device)."""
     device = torch.device(device)
-    return pick_config(M, N, _num_sms(device.index if device.index is not None else torch.cuda.current_device()))
+    return pick_config(M, N, cuda_sm_count(device))
 
 
 def gluon_supported(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -236,7 +233,7 @@ def gluon_supported(M: int, N: int, K: int, dtype: torch.dtype, device: torch.de
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    if torch.cuda.get_device_capability(device)[0] != 9:
+    if cuda_capability(device)[0] != 9:
         return False
     if dtype not in _TORCH_TO_GL:
         return False
@@ -338,8 +335,7 @@ def gluon_fused_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     cfg = config if config is not None else gluon_config(M, N, K, x2d.device)
     args, meta = make_launch_args(x2d, weight, bias, y, cfg, activation)
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    grid = (min(num_tiles, _num_sms(x2d.device.index if x2d.device.index is not None else
-                                    torch.cuda.current_device())), )
+    grid = (min(num_tiles, cuda_sm_count(x2d.device)), )
     with torch.cuda.device(x2d.device):
         gluon_linear_kernel[grid](*args, **meta)
     return y

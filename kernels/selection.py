@@ -11,7 +11,7 @@ import torch
 
 from kernels import autotune_cache, dispatch, small_m, tiled, tma_persistent
 from kernels.arguments import interpreting
-from kernels.common import dot_precision, pdl_supported
+from kernels.common import cuda_capability, cuda_name, dot_precision, pdl_supported
 
 LAUNCHERS = {m.NAME: m for m in (tiled, small_m, tma_persistent)}
 
@@ -40,7 +40,7 @@ def capability(device):
     """CUDA compute capability, or None where kernels run in the interpreter."""
     if device.type != "cuda" or interpreting():
         return None
-    return torch.cuda.get_device_capability(device)
+    return cuda_capability(device)
 
 
 def gluon_ok(M, N, K, dtype, device):
@@ -65,7 +65,7 @@ def cached_choice(kernels, M, N, K, dtype, device, static_weight=False):
     """The tuned ``(kernel, config)`` for this bucket, or None if it has not been tuned here."""
     if interpreting():
         return None
-    entry = autotune_cache.device_cache(torch.cuda.get_device_name(device)).get(_tune_key(kernels, M, N, K, dtype, static_weight))
+    entry = autotune_cache.device_cache(cuda_name(device)).get(_tune_key(kernels, M, N, K, dtype, static_weight))
     return None if entry is None else (entry["kernel"], entry["config"])
 
 
@@ -142,7 +142,7 @@ def choose(kernels, x2d, weight, bias, activation, static_weight=False):
         return launch(option[0], option[1], xs, ws, bs, activation, static_weight)
 
     _, best = autotune_cache.time_configs(options, run, timer=autotune_cache.default_timer(len(sets)))
-    autotune_cache.device_cache(torch.cuda.get_device_name(x2d.device)).put(
+    autotune_cache.device_cache(cuda_name(x2d.device)).put(
         _tune_key(kernels, M, N, K, x2d.dtype, static_weight), {"kernel": best[0], "config": best[1]})
     return best
 

@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.activations import apply_activation
-from kernels.common import launch_dependents_then_wait
+from kernels.common import cuda_sm_count, launch_dependents_then_wait
 
 NAME = "triton_tma_persistent"
 
@@ -114,7 +114,7 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     y_desc = TensorDescriptor.from_tensor(out, [bm, bn // 2 if meta["SPLIT_STORE"] else bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     if x.is_cuda:
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+        programs = cuda_sm_count(x.device)
     else:
         programs = _INTERPRET_PROGRAMS
     programs = min(programs, tiles)

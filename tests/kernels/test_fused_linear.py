@@ -274,7 +274,7 @@ def test_tuning_times_every_candidate_once_and_caches_the_winner(monkeypatch, tm
     from kernels import autotune_cache, selection
 
     monkeypatch.setattr(selection, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"fake-gpu-{tmp_path.name}")
+    monkeypatch.setattr(selection, "cuda_name", lambda device: f"fake-gpu-{tmp_path.name}")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv(autotune_cache.ENV_VAR, str(tmp_path))
     timed = []

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import common
 from kernels.gluon_linear import (
     GLUON_ACTIVATIONS,
     GLUON_CONFIGS,
@@ -124,8 +125,11 @@ def fake_gpu(monkeypatch):
     """Pretend a CUDA device of a chosen capability is present, to test the host-side checks."""
     def install(capability):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    return install
+        common.forget_devices()  # the kernels read a device's capability once, then keep it
+    yield install
+    common.forget_devices()
 
 
 @pytest.mark.parametrize("capability, M, N, K, dtype, expected", [
