@@ -4,6 +4,7 @@ torch.compile(mode="reduce-overhead"), per model and batch size; plus the cost o
 Run on a CUDA GPU from the repository root:
 
     python bench/model.py [--out bench/results] [--quick]
+    python bench/model.py --replot bench/results/model_h200.json   # redraw the PNG only (any machine)
 
 Writes ``OUT/model_<tag>.json`` ({"gpu", "date", "rows": [{"model", "batch", "impl", "median_us",
 ...}], "failures", "timing_overhead", the torch/triton versions and the method}; rewritten after
@@ -416,7 +417,7 @@ def print_summary(data):
             log(f"    {line}")
 
 
-def plot(rows, path):
+def plot(rows, path, gpu):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -434,7 +435,7 @@ def plot(rows, path):
         ax.set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="median us per batch", title=name)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend()
-    fig.suptitle(f"Model latency on {torch.cuda.get_device_name()} (GPU-resident input, lower is better)")
+    fig.suptitle(f"Model latency on {gpu} (GPU-resident input, lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -449,7 +450,13 @@ def main():
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # child mode: model:batch:impl,...
     parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="only redraw the PNG beside a results JSON written by this script (no GPU needed)")
     args = parser.parse_args()
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        plot(data["rows"], args.replot.with_suffix(".png"), data["gpu"])
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench/model.py needs a CUDA GPU")
     if args.worker:
@@ -474,7 +481,7 @@ def main():
         run_children(group, repeats, results)
     results.data["complete"] = True
     results.write()
-    plot(results.data["rows"], args.out / f"model_{args.tag}.png")
+    plot(results.data["rows"], args.out / f"model_{args.tag}.png", results.data["gpu"])
     print_summary(results.data)
     log(f"\nwrote {json_path} and its .png in {time.perf_counter() - started:.0f} s")
     problems = [f"{r['model']} batch={r['batch']} {r['impl']}: {r['mismatch']}"
