@@ -270,7 +270,9 @@ def _w_tile(w_ptrs, kb, K, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P
     PAIRS: ``w_ptrs`` point at [BLOCK_N, BLOCK_K // 2] int32 words, each two bf16 of W. A bf16 is
     the top half of an fp32, so each half becomes fp32 with one integer op (a shift for the low
     one, a mask for the high one) where ``cvt.f32.bf16`` compiles to more (sm_90: 1.6 instructions
-    an element against fp16's one HADD2.F32). The halves are interleaved back into K order."""
+    an element against fp16's one HADD2.F32). The halves are interleaved back into K order.
+    Measured on an H200 (N=K=4096, one row, ``static_weight``, 2026-12-03): 8.81 us against 9.86
+    without the pairs in the same call (cuBLASLt 14.2); fp16 took 9.03 and 9.49 in those runs."""
     if PAIRS:
         p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         words = tl.load(w_ptrs, mask=((p < K // 2) & live)[None, :], other=0)
