@@ -253,8 +253,8 @@ def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: t
 
 
 def sm_count(device) -> int:
-    """SMs of a CUDA device; 1 on the CPU, where the interpreter runs programs
-    one after another and fewer, larger tiles are faster."""
+    """SMs of a CUDA device; 1 on the CPU, where the interpreter runs programs one after another
+    and fewer, larger tiles are faster."""
     device = torch.device(device)
     if device.type != "cuda":
         return 1

@@ -224,7 +224,6 @@ def pick_config(M: int, N: int, num_sms: int) -> GluonConfig:
 
 def gluon_config(M: int, N: int, K: int, device: torch.device | str) -> GluonConfig:
     """The config ``gluon_fused_linear`` launches for this shape on ``device`` (a CUDA device)."""
-    device = torch.device(device)
     return pick_config(M, N, cuda_sm_count(device))
 
 
