@@ -159,6 +159,13 @@ def gluon_small_m_kernel(
 
     if USE_PDL:
         _gdc_launch_dependents_then_wait()
+    # The bias is loaded now and used after the main loop, so its trip to memory overlaps the loop
+    # instead of adding to the program's tail.
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # along N
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
+    else:
+        bias = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, acc_layout))
     # Prologue: the first STAGES - 1 slots.
     for s in gl.static_range(STAGES - 1):
         _issue(w_desc, x_desc, w_bufs, x_bufs, ready, s, off_n, off_m, (kt_start + s) * BLOCK_K, s < n_k)
@@ -180,7 +187,6 @@ def gluon_small_m_kernel(
         mbarrier.invalidate(ready.index(s))
 
     # Epilogue. acc[j, i] is Y[i, off_n + j] (fp32).
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # along N
     rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))  # along M
     cols2 = gl.expand_dims(cols, 1)
     rows2 = gl.expand_dims(rows, 0)
@@ -198,10 +204,10 @@ def gluon_small_m_kernel(
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
             for split in range(SPLIT_K):  # .cg: from L2, never from a stale L1 line
                 acc += gl.load(part_ptr + split * M * N + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
+            _epilogue(acc, bias, cols2, rows2, mask, y_ptr, stride_ym, HAS_BIAS, ACTIVATION)
             gl.atomic_xchg(lock, 0)  # ready for the next launch
     else:
-        _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
+        _epilogue(acc, bias, cols2, rows2, mask, y_ptr, stride_ym, HAS_BIAS, ACTIVATION)
 
 
 @gluon.jit
@@ -214,11 +220,9 @@ def _issue(w_desc, x_desc, w_bufs, x_bufs, ready, slot, off_n, off_m, k, pred):
 
 
 @gluon.jit
-def _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS: gl.constexpr,
-              ACTIVATION: gl.constexpr):
+def _epilogue(acc, bias, cols2, rows2, mask, y_ptr, stride_ym, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
     # Bias and activation while the accumulator is still in fp32, then one store of the tile.
     if HAS_BIAS:
-        bias = gl.load(b_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
         acc = acc + gl.expand_dims(bias, 1)
     acc = _activation(acc, ACTIVATION)
     gl.store(y_ptr + rows2.to(gl.int64) * stride_ym + cols2, acc.to(y_ptr.dtype.element_ty), mask=mask)
