@@ -3,12 +3,14 @@
 # end-to-end server check. Run on the GPU host from the repository root:
 #   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-tma e2e model
 #                                         kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host
+#                                         pack
 # kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16, no
 # torch.compile (kernels_h200_small.json). kernels-full: the whole plan, ~20 min on an H200, so
 # KERNELS_NK="8192x8192" runs it at those N x K only (kernels_h200_8192x8192.json).
 # tests-tma: the GPU tests of the TMA persistent kernel only. host: eager fused_linear's host time
 # per call against torch's, and a cProfile of it (bench/host_overhead.py).
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
+# pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
 # so one hang cannot eat the whole run.
@@ -98,6 +100,8 @@ for s in "${stages[@]}"; do
         fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_h200.json' &&
             FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag h200_tf32x3 --out '$out'" ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
-        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host)" | tee -a "$log" ;;
+        pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
+            && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
+        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host pack)" | tee -a "$log" ;;
     esac
 done
