@@ -22,7 +22,7 @@ def compile_sm90(M: int, N: int, K: int, dtype: torch.dtype, cfg: GluonConfig, a
 
 
 def compile_small_m_sm90(M: int, N: int, K: int, dtype: torch.dtype, config: dict, activation: str,
-                         has_bias: bool, pdl: bool = True):
+                         has_bias: bool, pdl: bool = True, prefetch_weight: bool = False):
     """The CompiledKernel of one ``kernels.gluon_small_m`` launch with ``config``."""
     from kernels import gluon_small_m
 
@@ -34,6 +34,6 @@ def compile_small_m_sm90(M: int, N: int, K: int, dtype: torch.dtype, config: dic
     locks = MockTensor(torch.int32, [N])
     w_desc, x_desc = gluon_small_m.descriptors(x2d, weight, config)
     meta = dict(HAS_BIAS=has_bias, ACTIVATION=activation, SPLIT_K=config["SPLIT_K"], STAGES=config["STAGES"],
-                USE_PDL=pdl, num_warps=config["num_warps"])
+                USE_PDL=pdl, PREFETCH_W=pdl and prefetch_weight, num_warps=config["num_warps"])
     return _compile(gluon_small_m.gluon_small_m_kernel, (w_desc, x_desc, bias, y, part, locks, M, N, K, N), meta,
                     source=GluonASTSource)

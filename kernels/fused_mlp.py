@@ -319,6 +319,9 @@ def _fused_mlp_layer_kernel(
     # the loop. For a few rows tl.dot pads M to 16 (fp32: FMA loops that read operands through
     # shared memory every k); this does one multiply-add per weight and row, from registers.
     wide = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+    # The bias is loaded first and used after the loop, so its trip to memory overlaps the loop
+    # instead of adding to the program's tail (like W, it is never written by a previous layer).
+    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     k_first = 0
     if USE_PDL:
         # The packed weights are written once, when the runner is built, so the first W tile may be
@@ -339,7 +342,6 @@ def _fused_mlp_layer_kernel(
     if FMA:
         acc = tl.sum(wide, axis=1)
     # Epilogue: bias and activation while the accumulator is still in fp32, then one store.
-    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = apply_activation(acc + bias[None, :], ACTIVATION)
     tl.store(dst_ptr + rows[:, None].to(tl.int64) * stride_dst + cols[None, :],
              acc.to(dst_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -15,9 +15,10 @@ Measured on an H200 (bf16, N=K=4096, cold L2, bench/small_m_sweep.py --kernel gl
 9.6 us at M=1 and 4, 9.9 us at M=16, 11.0 us at M=64, against 11.3-12.9 us for the Triton
 weight-streaming kernel and 12.5-13.1 us for cuBLASLt. The best tiles were 64 x 256 with 5 stages
 on only 64 programs (N / 64, unsplit): more programs did not add bandwidth. As a programmatic
-dependent launch it waits for the previous kernel before any load: filling the W half of the
-ring before that wait (as the Triton kernel's ``prefetch_weight`` does) measured 0.4-0.5 us
-slower at every shape, so this kernel does not. Splitting M (2026-12-03): at N=K=4096 the tuner
+dependent launch it waits for the previous kernel before reading X: filling the W half of the
+ring before that wait measured 0.4-0.5 us slower at every shape (those bytes only compete with
+the previous kernel's stream), so with ``prefetch_weight`` it reads just the first W tile early,
+to cover its first loads' latency (experiment, not yet timed). Splitting M (2026-12-03): at N=K=4096 the tuner
 kept whole-batch X tiles from M=4 to 256 (14.5 us at M=128, 17.2 at 256); in the 1024-wide bf16
 MLP at batch 64 it picked 16-row tiles (64 programs), and the model went from 20.7 to 17.3 us.
 
@@ -128,7 +129,8 @@ def gluon_small_m_kernel(
     M, N, K, stride_ym,
     # meta-parameters
     HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr, STAGES: gl.constexpr,
-    USE_PDL: gl.constexpr,  # launched as a programmatic dependent launch: wait before any load
+    USE_PDL: gl.constexpr,  # launched as a programmatic dependent launch: wait before reading X
+    PREFETCH_W: gl.constexpr,  # W is constant: read its first tile before that wait (needs USE_PDL)
     num_warps: gl.constexpr,
 ):
     """Y[m, n] = act(sum_k X[m, k] W[n, k] + b[n]) for this program's BLOCK_N columns and K slice."""
@@ -157,10 +159,28 @@ def gluon_small_m_kernel(
         mbarrier.init(ready.index(s), count=1)
     fence_async_shared()  # barrier initialisation must be visible to the TMA unit
 
+    if PREFETCH_W:
+        # W is constant: its first tile may be read while the previous kernel still runs. One tile
+        # only, to cover this launch's first-load latency (filling the whole ring before the wait
+        # measured 0.4-0.5 us slower: its bytes only compete with the previous kernel's stream).
+        # The slot's barrier counts both tiles, so the X copy may follow after the wait.
+        bar = ready.index(0)
+        mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=n_k > 0)
+        tma.async_copy_global_to_shared(w_desc, [off_n, kt_start * BLOCK_K], bar, w_bufs.index(0), n_k > 0)
     if USE_PDL:
         _gdc_launch_dependents_then_wait()
-    # Prologue: the first STAGES - 1 slots.
-    for s in gl.static_range(STAGES - 1):
+    # The bias is loaded now and used after the main loop, so its trip to memory overlaps the loop
+    # instead of adding to the program's tail.
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # along N
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
+    else:
+        bias = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, acc_layout))
+    # Prologue: the first STAGES - 1 slots (slot 0's W tile is in flight already with PREFETCH_W).
+    if PREFETCH_W:
+        tma.async_copy_global_to_shared(x_desc, [off_m, kt_start * BLOCK_K], ready.index(0), x_bufs.index(0),
+                                        n_k > 0)
+    for s in gl.static_range(1 if PREFETCH_W else 0, STAGES - 1):
         _issue(w_desc, x_desc, w_bufs, x_bufs, ready, s, off_n, off_m, (kt_start + s) * BLOCK_K, s < n_k)
 
     # Main loop: the wgmma on slot i overlaps the copies into the other STAGES - 1 slots.
@@ -180,7 +200,6 @@ def gluon_small_m_kernel(
         mbarrier.invalidate(ready.index(s))
 
     # Epilogue. acc[j, i] is Y[i, off_n + j] (fp32).
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # along N
     rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))  # along M
     cols2 = gl.expand_dims(cols, 1)
     rows2 = gl.expand_dims(rows, 0)
@@ -198,10 +217,10 @@ def gluon_small_m_kernel(
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
             for split in range(SPLIT_K):  # .cg: from L2, never from a stale L1 line
                 acc += gl.load(part_ptr + split * M * N + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
+            _epilogue(acc, bias, cols2, rows2, mask, y_ptr, stride_ym, HAS_BIAS, ACTIVATION)
             gl.atomic_xchg(lock, 0)  # ready for the next launch
     else:
-        _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS, ACTIVATION)
+        _epilogue(acc, bias, cols2, rows2, mask, y_ptr, stride_ym, HAS_BIAS, ACTIVATION)
 
 
 @gluon.jit
@@ -214,11 +233,9 @@ def _issue(w_desc, x_desc, w_bufs, x_bufs, ready, slot, off_n, off_m, k, pred):
 
 
 @gluon.jit
-def _epilogue(acc, cols, cols2, rows2, mask, b_ptr, y_ptr, N, stride_ym, HAS_BIAS: gl.constexpr,
-              ACTIVATION: gl.constexpr):
+def _epilogue(acc, bias, cols2, rows2, mask, y_ptr, stride_ym, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr):
     # Bias and activation while the accumulator is still in fp32, then one store of the tile.
     if HAS_BIAS:
-        bias = gl.load(b_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
         acc = acc + gl.expand_dims(bias, 1)
     acc = _activation(acc, ACTIVATION)
     gl.store(y_ptr + rows2.to(gl.int64) * stride_ym + cols2, acc.to(y_ptr.dtype.element_ty), mask=mask)
@@ -236,9 +253,10 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
     """Run on checked arguments (``kernels.selection`` calls every kernel family this way): ``x
     [M, K]``, ``weight [N, K]`` fp16/bf16 with TMA-aligned rows, ``out [M, N]`` with unit column
     stride, 1 <= M <= MAX_M, on a Hopper GPU. ``config`` comes from ``candidates``. ``pdl``: launch
-    as a programmatic dependent launch. ``input_precision``, ``upcast_bf16`` and ``prefetch_weight``
-    are taken for the signature every kernel family shares and not used: 16-bit inputs only, and
-    no weight prefetch (measured slower, see the module docstring)."""
+    as a programmatic dependent launch; ``prefetch_weight`` (with ``pdl``): W is constant, so its
+    first tile is read before waiting on the previous kernel. ``input_precision`` and
+    ``upcast_bf16`` are taken for the signature every kernel family shares and not used (16-bit
+    inputs only)."""
     M, K = x.shape
     N = weight.shape[0]
     if not 1 <= M <= MAX_M:
@@ -263,5 +281,5 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
         gluon_small_m_kernel[grid](
             w_desc, x_desc, bias if bias is not None else out, out, part, locks, M, N, K, out.stride(0),
             HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=split, STAGES=config["STAGES"],
-            USE_PDL=pdl, num_warps=config["num_warps"], **meta)
+            USE_PDL=pdl, PREFETCH_W=pdl and prefetch_weight, num_warps=config["num_warps"], **meta)
     return out

@@ -165,15 +165,14 @@ def _small_m_kernel(
         # peeled off the loop for that.
         k_in = (offs_k < K) & (kb_start < kb_stop)
         w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
-        if USE_PDL:
-            launch_dependents_then_wait()
+        bias = _wait_then_load_bias(b_ptr, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, USE_PDL, HAS_BIAS)
         x = tl.load(x_ptrs, mask=k_in[:, None], other=0.0)
         acc = dot_acc(acc, w, x, INPUT_PRECISION, UPCAST_BF16)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         kb_first += 1
-    elif USE_PDL:
-        launch_dependents_then_wait()
+    else:
+        bias = _wait_then_load_bias(b_ptr, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, USE_PDL, HAS_BIAS)
 
     # Main loop: acc = W_tile @ X_tile^T in fp32.
     for kb in range(kb_first, kb_stop):
@@ -186,7 +185,7 @@ def _small_m_kernel(
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns (n), along acc's rows
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output rows (m), along acc's columns
-    _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym,
+    _finish(acc, cols, rows, bias, y_ptr, part_ptr, lock_ptr, M, N, stride_ym,
             pid_m * tl.num_programs(0) + pid_n, pid_k, HAS_BIAS, ACTIVATION, SPLIT_K)
 
 
@@ -239,13 +238,12 @@ def _gemv_kernel(
         k = kb_start * BLOCK_K + offs_k
         k_in = (k < K) & (kb_start < kb_stop)
         w = _w_tile(w_ptrs, kb_start, K, kb_start < kb_stop, BLOCK_N, BLOCK_K, PAIRS)
-        if USE_PDL:
-            launch_dependents_then_wait()
+        bias = _wait_then_load_bias(b_ptr, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, USE_PDL, HAS_BIAS)
         wide, wide3 = _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M)
         w_ptrs += BLOCK_K // 2 if PAIRS else BLOCK_K
         kb_first += 1
-    elif USE_PDL:
-        launch_dependents_then_wait()
+    else:
+        bias = _wait_then_load_bias(b_ptr, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N, USE_PDL, HAS_BIAS)
 
     for kb in tl.range(kb_first, kb_stop, num_stages=STAGES):
         k = kb * BLOCK_K + offs_k
@@ -259,7 +257,7 @@ def _gemv_kernel(
         acc = tl.trans(tl.sum(wide3, axis=2))  # [BLOCK_N, BLOCK_M]
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, pid_n, pid_k,
+    _finish(acc, cols, rows, bias, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, pid_n, pid_k,
             HAS_BIAS, ACTIVATION, SPLIT_K)
 
 
@@ -298,11 +296,26 @@ def _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, lock_index, pid_k,
+def _wait_then_load_bias(b_ptr, cols, N, USE_PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """In a programmatic dependent launch, wait for the previous kernel (see ``kernels.common``);
+    then issue the load of the bias for output columns ``cols`` (fp32; zeros without a bias). It is
+    issued before the main loop and used after it, so its trip to memory overlaps the loop instead
+    of adding to every program's tail."""
+    if USE_PDL:
+        launch_dependents_then_wait()
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros(cols.shape, dtype=tl.float32)
+    return bias
+
+
+@triton.jit
+def _finish(acc, cols, rows, bias, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, lock_index, pid_k,
             HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr):
     """Epilogue of one output tile. ``acc [BLOCK_N, BLOCK_M]`` holds fp32 sums for output columns
-    ``cols`` (along N) and rows ``rows`` (along M). With split-K, every split stores its partial
-    sums; the last split of the tile to arrive adds all of them in split order (the same order
+    ``cols`` (along N) and rows ``rows`` (along M), ``bias`` the fp32 bias of ``cols``. With
+    split-K, every split stores its partial sums; the last split of the tile to arrive adds all of them in split order (the same order
     every run: deterministic) and applies the epilogue, all in this one launch."""
     mask = (cols[:, None] < N) & (rows[None, :] < M)
     if SPLIT_K > 1:
@@ -316,17 +329,17 @@ def _finish(acc, cols, rows, b_ptr, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, 
             acc = tl.zeros_like(acc)
             for s in range(SPLIT_K):  # .cg: read the partials from L2, never from a stale L1 line
                 acc += tl.load(part_ptr + s * M * N + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
-            _store(acc, cols, rows, b_ptr, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
+            _store(acc, cols, rows, bias, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
             tl.atomic_xchg(lock_ptr + lock_index, 0)  # ready for the next launch
     else:
-        _store(acc, cols, rows, b_ptr, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
+        _store(acc, cols, rows, bias, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
 
 
 @triton.jit
-def _store(acc, cols, rows, b_ptr, y_ptr, N, stride_ym, mask, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+def _store(acc, cols, rows, bias, y_ptr, N, stride_ym, mask, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
     # Bias and activation while the accumulator is still in fp32, then one store of Y^T's tile.
     if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        acc = acc + bias[:, None]
     acc = apply_activation(acc, ACTIVATION)
     tl.store(y_ptr + rows[None, :].to(tl.int64) * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=mask)

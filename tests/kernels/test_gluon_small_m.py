@@ -95,6 +95,23 @@ def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
         assert spill_bytes == 0, f"{where}: {spill_bytes} bytes spilled ({registers} registers)"
 
 
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 1000, 136)])
+def test_weight_prefetch_is_issued_before_the_wait(M, N, K):
+    # With prefetch_weight the first W tile's TMA copy goes out before griddepcontrol.wait; the
+    # X copies, which read what the previous kernel wrote, only after it.
+    from kernels._sm90_compile import compile_small_m_sm90
+
+    for config in gluon_small_m.candidates(M, N, K, torch.bfloat16):
+        where = f"M={M} N={N} K={K} {config}"
+        ptx = compile_small_m_sm90(M, N, K, torch.bfloat16, config, "relu", True, pdl=True,
+                                   prefetch_weight=True).asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        copies = [i for i in range(len(ptx)) if ptx.startswith("cp.async.bulk.tensor", i)]
+        assert sum(i < wait for i in copies) == 1, f"{where}: not exactly one TMA copy before the wait"
+        plain = compile_small_m_sm90(M, N, K, torch.bfloat16, config, "relu", True, pdl=True).asm["ptx"]
+        assert plain.index("cp.async.bulk.tensor") > plain.index("griddepcontrol.wait"), where
+
+
 # ---------------------------------------------------------------- numerics (Hopper GPU)
 
 def make(M, N, K, dtype, seed=0):
@@ -163,7 +180,8 @@ def test_split_k_is_deterministic(M, block_m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
 @pytest.mark.parametrize("M", [1, 6, 40, 128, 250])
-def test_dependent_launches_in_a_cuda_graph(M):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_dependent_launches_in_a_cuda_graph(M, prefetch):
     # Three layers in one CUDA graph, each a programmatic dependent launch that lets the next layer
     # start launching before it ends: a layer that read X before waiting for the previous one would
     # see stale values (the previous replay's, or the NaN poison).
@@ -179,7 +197,8 @@ def test_dependent_launches_in_a_cuda_graph(M):
     def chain():
         h = x
         for i, (w, b, out, config) in enumerate(zip(ws, bs, outs, configs)):
-            h = gluon_small_m.launch(h, w, b, "relu" if i < len(ws) - 1 else "none", out, config, pdl=True)
+            h = gluon_small_m.launch(h, w, b, "relu" if i < len(ws) - 1 else "none", out, config, pdl=True,
+                                     prefetch_weight=prefetch)
         return h
 
     chain()  # compile outside the capture (and make the split-K counters)
