@@ -5,8 +5,8 @@ Run on a CUDA GPU from the repository root:
     python bench/kernels.py --out DIR [--quick] [--ms 1,4,16 --dtypes float16,bfloat16 --tag TAG]
 
 Writes ``DIR/kernels_<tag>.json`` (tag ``h200`` by default; {"gpu", "date", "torch", "triton",
-"copy_tbps", "matmul_tflops", "rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops", "tbps",
-...}]}) and ``DIR/kernels_<tag>.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the matmul peak,
+"copy_tbps", "matmul_tflops", "complete", "rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops",
+"tbps", ...}]}; rewritten after every shape with "complete": false, so a killed run keeps its rows) and ``DIR/kernels_<tag>.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the matmul peak,
 both measured in the same run), and prints a table plus the targets of issue 3.
 
 Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
@@ -408,6 +408,15 @@ def main():
     log(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.2f} TB/s, bf16 matmul {peak:.0f} TFLOP/s")
     compile_cache = CompileCache(args.quick)
     rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
+    path = args.out / f"kernels_{args.tag}.json"
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+    def write(complete):  # after every shape too, so a run killed by its caller keeps what it measured
+        result = dict(gpu=torch.cuda.get_device_name(), tune_cache=os.environ[autotune_cache.ENV_VAR], date=date,
+                      torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
+                      complete=complete, copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
+        path.write_text(json.dumps(result, indent=1))
+
     for i, (M, N, K, dtype) in enumerate(shapes, 1):
         if time.perf_counter() - t0 - compile_cache.spent > budget:
             log(f"time budget of {budget:.0f} s spent: stopping before shape {i}/{len(shapes)}")
@@ -421,12 +430,9 @@ def main():
         cells = ", ".join(f"{r['impl']} {r['median_us']:.1f}" for r in new if "median_us" in r)
         log(f"[{i}/{len(shapes)} {time.perf_counter() - t0:5.0f}s] M={M} N={N} K={K} "
             f"{str(dtype).removeprefix('torch.')}: {cells}")
+        write(complete=False)
 
-    result = dict(gpu=torch.cuda.get_device_name(), tune_cache=os.environ[autotune_cache.ENV_VAR], date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                  torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
-                  copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
-    path = args.out / f"kernels_{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1))
+    write(complete=True)
     log(f"wrote {path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
     plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png")
     print_table(rows)
