@@ -10,6 +10,7 @@ Timing (``time_configs``) replays CUDA graphs of back-to-back calls over rotatin
 arguments, so it sees what serving sees: weights read from HBM, no Python launch gaps.
 """
 
+import contextvars
 import functools
 import json
 import os
@@ -158,17 +159,23 @@ def bench_timer(run):
                             for _ in range(max(1, repeats // 2))]
 
 
+# The candidate ``time_configs`` is timing, for the fallback warning below to name it.
+_timing = contextvars.ContextVar("fusedserve_timing_candidate", default=None)
+
+
 def default_timer(calls_hint=1):
     """``graph_timer`` with ``calls_hint`` argument sets, falling back to ``bench_timer`` with a
-    warning when the capture fails for a reason other than the config not fitting the GPU."""
+    warning (naming the candidate) when the capture fails for a reason other than the config not
+    fitting the GPU."""
     def timer(run):
         try:
             return graph_timer(run, calls_hint)
         except (OutOfResources, CompileTimeAssertionFailure, PTXASError):
             raise
         except Exception as e:
-            warnings.warn(f"CUDA-graph timing failed ({type(e).__name__}: {e}); timing with do_bench",
-                          RuntimeWarning, stacklevel=2)
+            what = _timing.get()
+            warnings.warn(f"CUDA-graph timing failed{f' for {what}' if what is not None else ''} "
+                          f"({type(e).__name__}: {e}); timing with do_bench", RuntimeWarning, stacklevel=2)
             return bench_timer(run)
     return timer
 
@@ -196,6 +203,7 @@ def time_configs(candidates, run, timer=None):
     timings = []
     failure = None
     for config in candidates:
+        naming = _timing.set(config)
         try:
             ms = _median(timer(lambda config=config: run(config))(_FIRST_REPEATS))
         except (OutOfResources, CompileTimeAssertionFailure, PTXASError) as e:
@@ -206,13 +214,21 @@ def time_configs(candidates, run, timer=None):
                           RuntimeWarning, stacklevel=2)
             failure = e
             continue
+        finally:
+            _timing.reset(naming)
         timings.append((ms, config))
     if not timings:
         raise failure
     finalists = [config for _, config in sorted(timings, key=lambda t: t[0])[:_FINALISTS]]
     if len(finalists) == 1:
         return timings, finalists[0]
-    samplers = [timer(lambda config=config: run(config)) for config in finalists]
+    samplers = []
+    for config in finalists:
+        naming = _timing.set(config)
+        try:
+            samplers.append(timer(lambda config=config: run(config)))
+        finally:
+            _timing.reset(naming)
     samples = [[] for _ in finalists]
     for _ in range(_FINAL_ROUNDS):
         for sampler, into in zip(samplers, samples):

@@ -143,6 +143,23 @@ def test_time_configs_skips_what_does_not_fit_and_warns_on_failures():
         autotune_cache.time_configs(["b", "c"], run, timer=timer)
 
 
+def test_graph_timing_fallback_names_the_candidate(monkeypatch):
+    # Where a candidate cannot be captured into a CUDA graph it is timed with do_bench instead, and
+    # the warning says which candidate (the first round and the finalists' re-timing alike).
+    def graph_timer(run, calls_hint):
+        if run() == "b":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return lambda repeats: [1.0] * repeats
+
+    monkeypatch.setattr(autotune_cache, "graph_timer", graph_timer)
+    monkeypatch.setattr(autotune_cache, "bench_timer", lambda run: (lambda repeats: [2.0] * repeats))
+    with pytest.warns(RuntimeWarning, match=r"CUDA-graph timing failed for b \(RuntimeError: operation not") as caught:
+        timings, best = autotune_cache.time_configs(["a", "b"], lambda o: o, timer=autotune_cache.default_timer())
+    assert timings == [(1.0, "a"), (2.0, "b")] and best == "a"
+    assert len(caught) == 2  # first round, then again when the finalists are re-timed
+    assert autotune_cache._timing.get() is None  # nothing left named once tuning is over
+
+
 def test_time_configs_retimes_the_finalists_and_trusts_the_second_round():
     first, final = autotune_cache._FIRST_REPEATS, autotune_cache._FINAL_ROUNDS * autotune_cache._FINAL_REPEATS
     # "a" looked fastest in the first round by luck; the re-timing shows "b" is faster. "d" is
