@@ -3,13 +3,17 @@
 # end-to-end server check. Run on the GPU host from the repository root:
 #   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-tma e2e model
 #                                         kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host
-#                                         pack
+#                                         ab pack
 # kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16, no
 # torch.compile (kernels_h200_small.json). kernels-full: the whole plan, ~20 min on an H200, so
 # KERNELS_NK="8192x8192" runs it at those N x K only (kernels_h200_8192x8192.json).
 # tests-tma: the GPU tests of the TMA persistent kernel only. host: eager fused_linear's host time
 # per call against torch's, and a cProfile of it (bench/host_overhead.py).
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
+# ab: version A (this checkout) against version B (a checkout of another branch at $AB_DIR, e.g.
+# `git archive BRANCH | tar -x -C exp`), bench/kernels.py run A, B, A, B ($AB_ROUNDS rounds, default 2)
+# at KERNELS_MS (default 1,4,16,64) x KERNELS_NK (default 4096x4096) x AB_DTYPES (default bfloat16),
+# each side with its own tune cache; bench/ab.py then compares them against the peers' drift.
 # pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -72,6 +76,23 @@ PY
     echo "--- server log (tail)"; tail -n 40 /tmp/fusedserve-e2e.log
 }
 
+ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits both sides alike
+    [ -d "${AB_DIR:-}" ] || { echo "ab: AB_DIR must name the other checkout"; return 1; }
+    local dir b_dir files_a=() files_b=() site=${PYTHONPATH:-}; site=${site%%:*}
+    dir=$(cd "$out" && pwd)/ab
+    b_dir=$(cd "$AB_DIR" && pwd)
+    mkdir -p "$dir"
+    local args=(--quick --no-compile --budget-s 200 --ms "${KERNELS_MS:-1,4,16,64}" --nk "${KERNELS_NK:-4096x4096}"
+                --dtypes "${AB_DTYPES:-bfloat16}" --out "$dir")
+    for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+        stage "ab-a-$r" 300 python3 bench/kernels.py "${args[@]}" --tag "a_$r" --tune-cache "$dir/tune_a"
+        stage "ab-b-$r" 300 env PYTHONPATH="$site:$b_dir" bash -c 'cd "$0" && exec python3 bench/kernels.py "$@"' \
+            "$b_dir" "${args[@]}" --tag "b_$r" --tune-cache "$dir/tune_b"
+        files_a+=("$dir/kernels_a_$r.json"); files_b+=("$dir/kernels_b_$r.json")
+    done
+    python3 bench/ab.py --a "${files_a[@]}" --b "${files_b[@]}" --out "$dir/ab.json" 2>&1 | tee -a "$log"
+}
+
 for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
@@ -100,8 +121,9 @@ for s in "${stages[@]}"; do
         fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_h200.json' &&
             FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag h200_tf32x3 --out '$out'" ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
+        ab) ab ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
-        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host pack)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab pack)" | tee -a "$log" ;;
     esac
 done
