@@ -10,8 +10,9 @@ Run on a CUDA GPU from the repository root (stops starting new configs after --b
 
 Each line of the output is one timing: {"M", "N", "K", "impl", "cfg", "pdl", "pre", "us"} (or
 "err"), bf16, timed as ``bench/kernels.py`` times (cold L2, CUDA-graph replays). Every config runs
-first with PDL and the prefetch (PDL alone past M=64, where no kernel prefetches); the best three are
-then re-timed without PDL and with PDL alone, so each variant's worth is measured on the same configs.
+first with PDL and the prefetch (PDL alone for the TMA kernel past M=64, which has no prefetch);
+the best three are then re-timed without PDL and with PDL alone, so each variant's worth is
+measured on the same configs.
 
 ``bench/results/small_m_sweep_h200.jsonl`` (H200, 2026-12-02) came from this sweep's first draft:
 the same plan, configs and timing; it also re-timed the TMA configs with the prefetch flag on,
@@ -100,7 +101,7 @@ def sweep_shape(M, N, K, emit, deadline, gluon=False):
     else:
         module = small_m if M <= 64 else tma_persistent
         configs = sweep_configs(M, N) if M <= 64 else tma_persistent.candidates(M, N, K, torch.bfloat16)
-    first = (True, M <= 64 and not gluon)  # the Gluon kernel has no weight prefetch
+    first = (True, M <= 64 or gluon)  # PDL, and the weight prefetch wherever the kernel has one
     timings = []
     for config in configs:
         if time.monotonic() > deadline:
