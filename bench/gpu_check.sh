@@ -78,15 +78,17 @@ PY
 
 ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits both sides alike
     [ -d "${AB_DIR:-}" ] || { echo "ab: AB_DIR must name the other checkout"; return 1; }
-    local dir b_dir files_a=() files_b=() site=${PYTHONPATH:-}; site=${site%%:*}
+    local dir b_dir b_path files_a=() files_b=()
     dir=$(cd "$out" && pwd)/ab
     b_dir=$(cd "$AB_DIR" && pwd)
+    # B's own checkout first on the path, and this checkout not on it at all
+    b_path=$(printf '%s' "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx -e "$(pwd)" -e '' | paste -sd: -)
     mkdir -p "$dir"
     local args=(--quick --no-compile --budget-s 200 --ms "${KERNELS_MS:-1,4,16,64}" --nk "${KERNELS_NK:-4096x4096}"
                 --dtypes "${AB_DTYPES:-bfloat16}" --out "$dir")
     for r in $(seq 1 "${AB_ROUNDS:-2}"); do
         stage "ab-a-$r" 300 python3 bench/kernels.py "${args[@]}" --tag "a_$r" --tune-cache "$dir/tune_a"
-        stage "ab-b-$r" 300 env PYTHONPATH="$site:$b_dir" bash -c 'cd "$0" && exec python3 bench/kernels.py "$@"' \
+        stage "ab-b-$r" 300 env PYTHONPATH="$b_dir${b_path:+:$b_path}" bash -c 'cd "$0" && exec python3 bench/kernels.py "$@"' \
             "$b_dir" "${args[@]}" --tag "b_$r" --tune-cache "$dir/tune_b"
         files_a+=("$dir/kernels_a_$r.json"); files_b+=("$dir/kernels_b_$r.json")
     done
