@@ -3,6 +3,7 @@
 Run on a CUDA GPU from the repository root:
 
     python bench/kernels.py --out DIR [--quick] [--ms 1,4,16 --dtypes float16,bfloat16 --tag TAG]
+    python bench/kernels.py --out DIR --merge RUN.json ...   # no GPU: several runs into one (merge_runs)
 
 Writes ``DIR/kernels_<tag>.json`` (tag ``h200`` by default; {"gpu", "date", "torch", "triton",
 "copy_tbps", "matmul_tflops", "complete", "rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops",
@@ -331,7 +332,7 @@ def verdict(what, met, detail):
     log(f"  {'MET ' if met else 'MISS'} {what} ({detail})")
 
 
-def plot(rows, copy_tbps, peak_tflops, path):
+def plot(rows, copy_tbps, peak_tflops, path, gpu):
     try:
         import matplotlib
     except ImportError:
@@ -359,10 +360,46 @@ def plot(rows, copy_tbps, peak_tflops, path):
         ax.axhline(roof, color="k", ls="--", label=f"measured {roof:.1f} {unit}")
         ax.set(xscale="log", xlabel="M (batch rows)", ylabel=unit, title=f"bf16 N=K=4096: {unit}")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{torch.cuda.get_device_name()}: relu(x @ W^T + b), cold L2")
+    fig.suptitle(f"{gpu}: relu(x @ W^T + b), cold L2")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     log(f"wrote {path}")
+
+
+PEERS = BASELINES + ("torch_compile",)
+
+
+def merge_runs(runs):
+    """One result from several runs' results (oldest first), for ``--merge``: each shape (M, N, K,
+    dtype) keeps every row of the newest run that measured it, so ours and the peers it is compared
+    with come from one run; a peer that run did not time (torch.compile, which quick runs leave
+    out) is taken from the newest older run that did. Every row says which run it came from
+    (``run``: that run's date); ``runs`` lists the sources."""
+    gpus = {r["gpu"] for r in runs}
+    if len(gpus) != 1:
+        raise ValueError(f"runs from different GPUs cannot be merged: {sorted(gpus)}")
+    newest, peers_from = {}, {}
+    for run in runs:
+        by_shape = {}
+        for row in run["rows"]:
+            by_shape.setdefault((row["M"], row["N"], row["K"], row["dtype"]), []).append(dict(row, run=run["date"]))
+        for shape, rows in by_shape.items():
+            newest[shape] = rows
+            for row in rows:
+                if row["impl"] in PEERS and "median_us" in row:
+                    peers_from.setdefault(shape, {})[row["impl"]] = row
+    rows = []
+    for shape, shape_rows in newest.items():
+        have = {r["impl"] for r in shape_rows if "median_us" in r}
+        rows += shape_rows + [r for impl, r in peers_from.get(shape, {}).items() if impl not in have]
+    last = runs[-1]
+    return dict(gpu=last["gpu"], date=last["date"], torch=last["torch"], triton=last["triton"], merged=True,
+                complete=all(r.get("complete", True) for r in runs),
+                copy_tbps=last["copy_tbps"], matmul_tflops=last["matmul_tflops"],
+                runs=[dict(date=r["date"], quick=r.get("quick"), truncated=r.get("truncated"),
+                           copy_tbps=r.get("copy_tbps"), shapes=len({(x["M"], x["N"], x["K"], x["dtype"])
+                                                                     for x in r["rows"]})) for r in runs],
+                rows=rows)
 
 
 def _nk_list(text):
@@ -394,7 +431,21 @@ def main():
                         help="full plan at these NxK only (comma-separated, e.g. 8192x8192,1024x1024)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (saves its compile time)")
     parser.add_argument("--tag", default="h200", help="file name suffix: kernels_<tag>.json/.png")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="no GPU needed: merge these runs' JSON (oldest first; see merge_runs) into "
+                             "OUT/kernels_<tag>.json and its plot, and print the table and the targets")
     args = parser.parse_args()
+    if args.merge:
+        merged = merge_runs([json.loads(path.read_text()) for path in args.merge])
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"kernels_{args.tag}.json"
+        path.write_text(json.dumps(merged, indent=1))
+        log(f"wrote {path} ({len(merged['rows'])} rows from {len(args.merge)} runs)")
+        plot(merged["rows"], merged["copy_tbps"], merged["matmul_tflops"], args.out / f"kernels_{args.tag}.png",
+             merged["gpu"])
+        print_table(merged["rows"])
+        print_targets(merged["rows"])
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
     budget = args.budget_s or (140 if args.quick else 480)
@@ -434,7 +485,7 @@ def main():
 
     write(complete=True)
     log(f"wrote {path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
-    plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png")
+    plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png", torch.cuda.get_device_name())
     print_table(rows)
     print_targets(rows)
 
