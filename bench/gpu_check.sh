@@ -7,7 +7,8 @@
 # kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16, no
 # torch.compile (kernels_h200_small.json). kernels-full: the whole plan, ~20 min on an H200, so
 # KERNELS_NK="8192x8192" runs it at those N x K only (kernels_h200_8192x8192.json).
-# tests-tma: the GPU tests of the TMA persistent kernel only. host: eager fused_linear's host time
+# kernels: the quick plan (kernels_h200_quick.json: bench/results/kernels_h200.json is the merge of
+# the runs, bench/kernels.py --merge). tests-tma: the GPU tests of the TMA persistent kernel only. host: eager fused_linear's host time
 # per call against torch's, and a cProfile of it (bench/host_overhead.py).
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
 # ab: version A (this checkout) against version B (a checkout of another branch at $AB_DIR, e.g.
@@ -109,7 +110,7 @@ for s in "${stages[@]}"; do
             --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes float16,bfloat16 --tag h200_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
-        kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --out "$out" ;;
+        kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag h200_quick --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --budget-s 400 --out "$out" \
             ${KERNELS_NK:+--nk "$KERNELS_NK" --tag "h200_${KERNELS_NK//,/_}"} ;;
         load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
