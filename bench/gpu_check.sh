@@ -8,12 +8,13 @@
 # torch.compile (kernels_h200_small.json). kernels-full: the whole plan, ~20 min on an H200, so
 # KERNELS_NK="8192x8192" runs it at those N x K only (kernels_h200_8192x8192.json).
 # kernels: the quick plan (kernels_h200_quick.json: bench/results/kernels_h200.json is the merge of
-# the runs, bench/kernels.py --merge). tests-tma: the GPU tests of the TMA persistent kernel only. host: eager fused_linear's host time
-# per call against torch's, and a cProfile of it (bench/host_overhead.py).
+# the runs, bench/kernels.py --merge). tests-tma: the GPU tests of the TMA persistent kernel only.
+# host: eager fused_linear's host time per call against torch's, and a cProfile of it
+# (bench/host_overhead.py).
 # tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
 # ab: version A (this checkout) against version B (a checkout of another branch at $AB_DIR, e.g.
-# `git archive BRANCH | tar -x -C exp`), bench/kernels.py run A, B, A, B ($AB_ROUNDS rounds, default 2)
-# at KERNELS_MS (default 1,4,16,64) x KERNELS_NK (default 4096x4096) x AB_DTYPES (default bfloat16),
+# `git archive BRANCH | tar -x -C exp`), bench/kernels.py run A, B, A, B ($AB_ROUNDS rounds,
+# default 2) at KERNELS_MS (default 1,4,16,64) x KERNELS_NK (default 4096x4096) x AB_DTYPES (default bfloat16),
 # each side with its own tune cache; bench/ab.py then compares them against the peers' drift.
 # pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.

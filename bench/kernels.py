@@ -7,8 +7,9 @@ Run on a CUDA GPU from the repository root:
 
 Writes ``DIR/kernels_<tag>.json`` (tag ``h200`` by default; {"gpu", "date", "torch", "triton",
 "copy_tbps", "matmul_tflops", "complete", "rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops",
-"tbps", ...}]}; rewritten after every shape with "complete": false, so a killed run keeps its rows) and ``DIR/kernels_<tag>.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the matmul peak,
-both measured in the same run), and prints a table plus the targets of issue 3.
+"tbps", ...}]}; rewritten after every shape with "complete": false, so a killed run keeps its
+rows) and ``DIR/kernels_<tag>.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the
+matmul peak, both measured in the same run), and prints a table plus the targets of issue 3.
 
 Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
 replays of many calls that cycle over enough (x, W, b) sets that each call finds its weights out of
@@ -461,9 +462,10 @@ def main():
     rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
     path = args.out / f"kernels_{args.tag}.json"
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    gpu = torch.cuda.get_device_name()
 
     def write(complete):  # after every shape too, so a run killed by its caller keeps what it measured
-        result = dict(gpu=torch.cuda.get_device_name(), tune_cache=os.environ[autotune_cache.ENV_VAR], date=date,
+        result = dict(gpu=gpu, tune_cache=os.environ[autotune_cache.ENV_VAR], date=date,
                       torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
                       complete=complete, copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
         path.write_text(json.dumps(result, indent=1))
@@ -485,7 +487,7 @@ def main():
 
     write(complete=True)
     log(f"wrote {path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
-    plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png", torch.cuda.get_device_name())
+    plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png", gpu)
     print_table(rows)
     print_targets(rows)
 

@@ -186,6 +186,15 @@ def _median(values):
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _sampler(timer, run, config):
+    """``timer``'s sampler for ``run(config)``, built with ``config`` named for its warnings."""
+    naming = _timing.set(config)
+    try:
+        return timer(lambda: run(config))
+    finally:
+        _timing.reset(naming)
+
+
 def time_configs(candidates, run, timer=None):
     """Median milliseconds of ``run(config)`` for each candidate, and the fastest config.
 
@@ -203,9 +212,8 @@ def time_configs(candidates, run, timer=None):
     timings = []
     failure = None
     for config in candidates:
-        naming = _timing.set(config)
         try:
-            ms = _median(timer(lambda config=config: run(config))(_FIRST_REPEATS))
+            ms = _median(_sampler(timer, run, config)(_FIRST_REPEATS))
         except (OutOfResources, CompileTimeAssertionFailure, PTXASError) as e:
             failure = e
             continue
@@ -214,21 +222,13 @@ def time_configs(candidates, run, timer=None):
                           RuntimeWarning, stacklevel=2)
             failure = e
             continue
-        finally:
-            _timing.reset(naming)
         timings.append((ms, config))
     if not timings:
         raise failure
     finalists = [config for _, config in sorted(timings, key=lambda t: t[0])[:_FINALISTS]]
     if len(finalists) == 1:
         return timings, finalists[0]
-    samplers = []
-    for config in finalists:
-        naming = _timing.set(config)
-        try:
-            samplers.append(timer(lambda config=config: run(config)))
-        finally:
-            _timing.reset(naming)
+    samplers = [_sampler(timer, run, config) for config in finalists]
     samples = [[] for _ in finalists]
     for _ in range(_FINAL_ROUNDS):
         for sampler, into in zip(samplers, samples):

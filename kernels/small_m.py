@@ -315,8 +315,9 @@ def _finish(acc, cols, rows, bias, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, l
             HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr):
     """Epilogue of one output tile. ``acc [BLOCK_N, BLOCK_M]`` holds fp32 sums for output columns
     ``cols`` (along N) and rows ``rows`` (along M), ``bias`` the fp32 bias of ``cols``. With
-    split-K, every split stores its partial sums; the last split of the tile to arrive adds all of them in split order (the same order
-    every run: deterministic) and applies the epilogue, all in this one launch."""
+    split-K, every split stores its partial sums; the last split of the tile to arrive adds all of
+    them in split order (the same order every run: deterministic) and applies the epilogue, all in
+    this one launch."""
     mask = (cols[:, None] < N) & (rows[None, :] < M)
     if SPLIT_K > 1:
         p_offs = rows[None, :].to(tl.int64) * N + cols[:, None]
@@ -329,14 +330,14 @@ def _finish(acc, cols, rows, bias, y_ptr, part_ptr, lock_ptr, M, N, stride_ym, l
             acc = tl.zeros_like(acc)
             for s in range(SPLIT_K):  # .cg: read the partials from L2, never from a stale L1 line
                 acc += tl.load(part_ptr + s * M * N + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
-            _store(acc, cols, rows, bias, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
+            _store(acc, cols, rows, bias, y_ptr, stride_ym, mask, HAS_BIAS, ACTIVATION)
             tl.atomic_xchg(lock_ptr + lock_index, 0)  # ready for the next launch
     else:
-        _store(acc, cols, rows, bias, y_ptr, N, stride_ym, mask, HAS_BIAS, ACTIVATION)
+        _store(acc, cols, rows, bias, y_ptr, stride_ym, mask, HAS_BIAS, ACTIVATION)
 
 
 @triton.jit
-def _store(acc, cols, rows, bias, y_ptr, N, stride_ym, mask, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+def _store(acc, cols, rows, bias, y_ptr, stride_ym, mask, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
     # Bias and activation while the accumulator is still in fp32, then one store of Y^T's tile.
     if HAS_BIAS:
         acc = acc + bias[:, None]
