@@ -61,6 +61,27 @@ def test_narrow_layers_and_large_batches_split_m():
     assert {c["BLOCK_M"] for c in gluon_small_m.candidates(1, 4096, 4096, torch.bfloat16)} == {8}
 
 
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_grids_past_one_wave_get_both_ring_depths(M):
+    # N = 11008: 172 W tiles of 64 rows for 132 SMs. Each tile and split is offered with a ring that
+    # lets two programs share an SM and with the deepest one that a program alone can have.
+    def ring(c):
+        return (64 + c["BLOCK_M"]) * c["BLOCK_K"] * 2 * c["STAGES"]
+
+    configs = gluon_small_m.candidates(M, 11008, 4096, torch.bfloat16)
+    for block_k in (128, 256):
+        rings = sorted(ring(c) for c in configs
+                       if c["BLOCK_K"] == block_k and c["SPLIT_K"] == 1 and c["BLOCK_M"] == gluon_small_m.block_m(M))
+        if block_k == 128:  # (256 deep: a shared ring would be under three stages)
+            assert rings[0] <= gluon_small_m._SMEM_BUDGET // 2, (block_k, rings)
+        assert rings[-1] > gluon_small_m._SMEM_BUDGET // 2, (block_k, rings)
+    # One wave (N = 4096, the whole batch in one X tile, unsplit: 64 programs) gets only the deep ring.
+    assert all(ring(c) > gluon_small_m._SMEM_BUDGET // 2
+               for c in gluon_small_m.candidates(M, 4096, 4096, torch.bfloat16)
+               if c["SPLIT_K"] == 1 and c["BLOCK_K"] == 128 and c["STAGES"] != 4
+               and c["BLOCK_M"] == gluon_small_m.block_m(M))
+
+
 def test_launch_rejects_what_it_cannot_run():
     w = torch.zeros(256, 128, dtype=torch.bfloat16)
     config = gluon_small_m.candidates(1, 256, 128, torch.bfloat16)[0]
@@ -75,7 +96,7 @@ def test_launch_rejects_what_it_cannot_run():
 # ---------------------------------------------------------------- sm_90 compile checks (CPU, CI)
 
 @pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 4096, 4096), (64, 1000, 136), (128, 4096, 4096),
-                                     (256, 4096, 4096)])
+                                     (256, 4096, 4096), (16, 11008, 4096), (64, 11008, 4096)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
     from kernels._sm90 import ptxas_usage
