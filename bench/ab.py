@@ -4,6 +4,7 @@ Run on any machine (no GPU needed) over the JSON files of runs made A, B, A, B, 
 session (``bench/gpu_check.sh ab`` makes them):
 
     python bench/ab.py --a DIR/a_1.json DIR/a_2.json --b DIR/b_1.json DIR/b_2.json [--out ab.json]
+                       [--names main experiment/x]
 
 A kernel measured in one process can be ~5% faster or slower in the next (seen on the H200: the
 same GEMV at 9.86 and 10.22 us a minute apart), so one A run against one B run cannot tell a 3%
@@ -47,6 +48,16 @@ def compare(a_paths, b_paths):
     return rows
 
 
+def runs(paths, side):
+    """Where and when each run was made: {side, file, gpu, date, torch, triton} per path."""
+    described = []
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        described.append(dict(side=side, file=Path(path).name,
+                              **{key: run.get(key) for key in ("gpu", "date", "torch", "triton")}))
+    return described
+
+
 def report(rows):
     lines = []
     shapes = {}
@@ -67,13 +78,16 @@ def main():
     parser.add_argument("--a", nargs="+", required=True, help="kernels_*.json of version A's runs")
     parser.add_argument("--b", nargs="+", required=True, help="kernels_*.json of version B's runs")
     parser.add_argument("--out", type=Path, help="also write the comparison here as JSON")
+    parser.add_argument("--names", nargs=2, default=("A", "B"), metavar=("A", "B"),
+                        help="what the two versions are (e.g. main experiment/x), kept in the JSON")
     args = parser.parse_args()
     rows = compare(args.a, args.b)
     if not rows:
         raise SystemExit("the two sides share no (shape, impl): nothing to compare")
     print(report(rows))
     if args.out:
-        args.out.write_text(json.dumps(dict(a=args.a, b=args.b, rows=rows), indent=1))
+        args.out.write_text(json.dumps(dict(a=args.names[0], b=args.names[1],
+                                            runs=runs(args.a, "a") + runs(args.b, "b"), rows=rows), indent=1))
 
 
 if __name__ == "__main__":

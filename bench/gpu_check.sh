@@ -15,7 +15,8 @@
 # ab: version A (this checkout) against version B (a checkout of another branch at $AB_DIR, e.g.
 # `git archive BRANCH | tar -x -C exp`), bench/kernels.py run A, B, A, B ($AB_ROUNDS rounds,
 # default 2) at KERNELS_MS (default 1,4,16,64) x KERNELS_NK (default 4096x4096) x AB_DTYPES (default bfloat16),
-# each side with its own tune cache; bench/ab.py then compares them against the peers' drift.
+# each side with its own tune cache; bench/ab.py then compares them against the peers' drift
+# (AB_NAME_A and AB_NAME_B, e.g. main and the branch, name the two in ab.json).
 # pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -94,7 +95,8 @@ ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits
             "$b_dir" "${args[@]}" --tag "b_$r" --tune-cache "$dir/tune_b"
         files_a+=("$dir/kernels_a_$r.json"); files_b+=("$dir/kernels_b_$r.json")
     done
-    python3 bench/ab.py --a "${files_a[@]}" --b "${files_b[@]}" --out "$dir/ab.json" 2>&1 | tee -a "$log"
+    python3 bench/ab.py --a "${files_a[@]}" --b "${files_b[@]}" --out "$dir/ab.json" \
+        --names "${AB_NAME_A:-this checkout}" "${AB_NAME_B:-$AB_DIR}" 2>&1 | tee -a "$log"
 }
 
 for s in "${stages[@]}"; do

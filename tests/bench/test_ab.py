@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench.ab import compare, report
+from bench.ab import compare, report, runs
 
 
 def write(path, rows):
@@ -39,3 +39,11 @@ def test_nothing_shared_compares_nothing(tmp_path):
     a = [write(tmp_path / "a.json", [row(1, "fusedserve", 10.0)])]
     b = [write(tmp_path / "b.json", [row(4, "fusedserve", 10.0)])]
     assert compare(a, b) == []
+
+
+def test_runs_say_where_and_when(tmp_path):
+    path = tmp_path / "kernels_a_1.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-12-03T16:11:50+00:00", "torch": "2.11.0",
+                                "triton": "3.6.0", "rows": []}))
+    assert runs([str(path)], "a") == [dict(side="a", file="kernels_a_1.json", gpu="NVIDIA H200",
+                                           date="2026-12-03T16:11:50+00:00", torch="2.11.0", triton="3.6.0")]
