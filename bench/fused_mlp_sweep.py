@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from bench.json_lines import JsonLines  # noqa: E402  (needs sys.path)
 from bench.model import build_pair  # noqa: E402
 from kernels import fused_mlp  # noqa: E402
+from kernels.common import gc_paused  # noqa: E402
 
 # (model, batch), most telling first (the issue-4 points that miss), in case the budget runs out.
 PLAN = (("digits", 8), ("mlp4x1024", 8), ("mlp4x1024", 64), ("mlp4x4096", 8), ("digits", 64),
@@ -53,7 +54,7 @@ def time_layer(packed, index, h, shift, scale, config):
     step()  # compiles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         for _ in range(CALLS):
             step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -36,7 +36,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from kernels import KERNELS, autotune_cache, fused_linear, kernel_choice, run_kernel  # noqa: E402  (needs sys.path)
-from kernels.common import dot_precision  # noqa: E402
+from kernels.common import dot_precision, gc_paused  # noqa: E402
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
@@ -121,7 +121,7 @@ def capture(fn, sets, M, N, K, dtype):
     calls = max(len(sets), min(MAX_CALLS, math.ceil(REPLAY_TARGET_US / estimate_us(M, N, K, dtype))))
     calls = math.ceil(calls / len(sets)) * len(sets)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         for i in range(calls):
             fn(*sets[i % len(sets)])
     graph.replay()

@@ -50,7 +50,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from kernels.common import dot_precision
+from kernels.common import dot_precision, gc_paused
 from models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model
 
 MODELS = ("digits", "mlp4x1024", "mlp4x4096")
@@ -147,7 +147,7 @@ def graph_step(model: MLP, x: torch.Tensor, info: dict):
             model(x)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with gc_paused(), torch.cuda.graph(graph):
         out = model(x)
     return lambda: (graph.replay(), out)[1]
 

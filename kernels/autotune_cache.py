@@ -101,6 +101,8 @@ def graph_timer(run, calls_hint):
     """
     import torch
 
+    from kernels.common import gc_paused
+
     # Once per argument set before capturing: a copy may differ from the caller's tensors in what
     # Triton specializes on (16-byte alignment), and compiling must not happen inside a capture.
     for _ in range(max(1, calls_hint)):
@@ -114,7 +116,7 @@ def graph_timer(run, calls_hint):
     def capture(calls):
         graph = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), gc_paused():
             # thread_local: other threads (stats flushes, other models) may use CUDA meanwhile.
             graph.capture_begin(capture_error_mode="thread_local")
             try:

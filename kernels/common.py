@@ -1,7 +1,9 @@
 """Pieces every Triton kernel family here shares: programmatic dependent launch (PDL), the
 tensor-core step and its float32 precision."""
 
+import contextlib
 import functools
+import gc
 import os
 
 import torch
@@ -9,6 +11,21 @@ import triton
 import triton.language as tl
 
 from kernels.arguments import interpreting
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for the block (as it was before, after it). Wrap every
+    CUDA-graph capture in it: a collection that runs mid-capture and frees a dead CUDA graph (or
+    anything else whose teardown is a CUDA call not allowed while a stream captures) breaks the
+    capture, and torch (2.4 on) no longer collects on entering ``torch.cuda.graph``."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def cuda_capability(device) -> tuple[int, int]:

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from kernels.common import gc_paused
 from kernels.timing import LayerTiming, PendingEvents, TimingSink
 from models.mlp import MLP
 
@@ -404,7 +405,7 @@ class ModelRunner:
             # each kept graph's output stays referenced, so no capture reuses another's output.
             self._pool = torch.cuda.graph_pool_handle()
         # thread_local: a stats reader collecting timings on another thread must not break it.
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.no_grad(), gc_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(bucket, None, path, marks)
         return graph, out
 

@@ -160,6 +160,71 @@ def test_graph_timing_fallback_names_the_candidate(monkeypatch):
     assert autotune_cache._timing.get() is None  # nothing left named once tuning is over
 
 
+def test_gc_paused_restores_the_collector_as_it_was():
+    import gc
+
+    from kernels.common import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        assert not gc.isenabled()
+        raise ValueError("a failed capture")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled(), "a collector that was off came back on"
+    finally:
+        gc.enable()
+
+
+def test_graph_timer_captures_with_the_collector_paused(monkeypatch):
+    # A collection mid-capture that frees a dead CUDA graph breaks the capture (its teardown is not
+    # allowed while a stream captures), so every call inside one must run with the collector off.
+    import contextlib
+    import gc
+
+    captured = []
+
+    class Graph:
+        def capture_begin(self, **kwargs):
+            captured.append("begin")
+
+        def capture_end(self):
+            captured.append("end")
+
+        def replay(self):
+            pass
+
+    class Event:
+        def __init__(self, **kwargs):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    for name, value in (("CUDAGraph", Graph), ("Event", Event), ("Stream", Stream), ("current_stream", Stream),
+                        ("stream", lambda s: contextlib.nullcontext()), ("synchronize", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    calls = []
+    sample = autotune_cache.graph_timer(lambda: calls.append((captured[-1:] == ["begin"], gc.isenabled())), 2)
+    assert sample(3) and gc.isenabled()
+    inside = [enabled for capturing, enabled in calls if capturing]
+    assert inside and not any(inside), calls
+    assert all(enabled for capturing, enabled in calls if not capturing)  # the eager warm-up calls
+
+
 def test_time_configs_retimes_the_finalists_and_trusts_the_second_round():
     first, final = autotune_cache._FIRST_REPEATS, autotune_cache._FINAL_ROUNDS * autotune_cache._FINAL_REPEATS
     # "a" looked fastest in the first round by luck; the re-timing shows "b" is faster. "d" is
