@@ -18,7 +18,8 @@ def gc_paused():
     """Python's cyclic garbage collector off for the block (as it was before, after it). Wrap every
     CUDA-graph capture in it: a collection that runs mid-capture and frees a dead CUDA graph (or
     anything else whose teardown is a CUDA call not allowed while a stream captures) breaks the
-    capture, and torch (2.4 on) no longer collects on entering ``torch.cuda.graph``."""
+    capture, and recent torch no longer collects on entering ``torch.cuda.graph`` (only with
+    ``torch.compiler.config.force_cudagraph_gc``)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
