@@ -16,7 +16,8 @@
 # `git archive BRANCH | tar -x -C exp`), bench/kernels.py run A, B, A, B ($AB_ROUNDS rounds,
 # default 2) at KERNELS_MS (default 1,4,16,64) x KERNELS_NK (default 4096x4096) x AB_DTYPES (default bfloat16),
 # each side with its own tune cache; bench/ab.py then compares them against the peers' drift
-# (AB_NAME_A and AB_NAME_B, e.g. main and the branch, name the two in ab.json).
+# (AB_NAME_A and AB_NAME_B, e.g. main and the branch, name the two in ab.json). Results go to
+# $OUT/ab, or $OUT/ab_$AB_TAG, so one call can compare at several sets of shapes.
 # pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -82,7 +83,7 @@ PY
 ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits both sides alike
     [ -d "${AB_DIR:-}" ] || { echo "ab: AB_DIR must name the other checkout"; return 1; }
     local dir b_dir b_path files_a=() files_b=()
-    dir=$(cd "$out" && pwd)/ab
+    dir=$(cd "$out" && pwd)/ab${AB_TAG:+_$AB_TAG}
     b_dir=$(cd "$AB_DIR" && pwd)
     # B's own checkout first on the path, and this checkout not on it at all
     b_path=$(printf '%s' "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx -e "$(pwd)" -e '' | paste -sd: -)
