@@ -457,12 +457,12 @@ def main():
     t0 = time.perf_counter()
 
     copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
-    log(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.2f} TB/s, bf16 matmul {peak:.0f} TFLOP/s")
+    gpu = torch.cuda.get_device_name()
+    log(f"{gpu}: copy {copy_tbps:.2f} TB/s, bf16 matmul {peak:.0f} TFLOP/s")
     compile_cache = CompileCache(args.quick)
     rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
     path = args.out / f"kernels_{args.tag}.json"
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    gpu = torch.cuda.get_device_name()
 
     def write(complete):  # after every shape too, so a run killed by its caller keeps what it measured
         result = dict(gpu=gpu, tune_cache=os.environ[autotune_cache.ENV_VAR], date=date,
