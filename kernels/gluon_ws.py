@@ -1,0 +1,250 @@
+"""Hopper (sm_90) fused linear in Gluon with warp specialization: ``Y = act(X @ W^T + b)``.
+
+The persistent TMA + wgmma kernels (``kernels.tma_persistent``, ``kernels.gluon_linear``) run one
+warpgroup that both issues the loads and waits on the tensor cores, so a load for a later k-slice
+goes out only when that warpgroup gets back to it. Here the roles are split across warps, as
+CUTLASS's Hopper kernels do:
+
+- one loader warp walks the same tiles and streams X and W k-slices through a ring of
+  ``STAGES`` shared-memory buffers, each with a *ready* barrier (the TMA bytes landed) and an
+  *empty* barrier (every consumer is done with it);
+- ``CONSUMERS`` (1 or 2) warpgroups each own ``BLOCK_M // CONSUMERS`` rows of the output tile:
+  they wait on *ready*, run async wgmma on their rows of X and the whole W slice, release the
+  previous slice once its wgmma has completed, and at the tile's end apply bias and activation to
+  their fp32 accumulator and store it through their own shared-memory buffer with one TMA store.
+
+The loader runs up to ``STAGES`` slices ahead, across tile boundaries, so the next tile's loads
+fly while the consumers are in their epilogue. Every consumer is exactly one warpgroup because a
+barrier arrive is issued by one thread of its partition: with one warpgroup per partition, that
+thread's ``warpgroup_mma_wait`` covers the whole warpgroup's wgmma (a collective operation).
+
+Only the launcher touches CUDA, so importing this module works on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from kernels import dispatch
+from kernels.common import cuda_sm_count
+from kernels.gluon_linear import _TORCH_TO_GL, _activation, _tile_coords, tma_descriptor
+from kernels.gluon_small_m import _gdc_launch_dependents_then_wait
+
+NAME = "gluon_ws"
+INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
+
+# Shared memory a config may use (of the 227 KB an H200 SM gives one block; the rest is barriers
+# and slack).
+SMEM_BUDGET = 216 * 1024
+# Registers a thread of the loader warp gets (it only computes addresses) and of the second consumer
+# warpgroup; the first consumer, the default partition, gets what maxnreg leaves (max_registers).
+_LOADER_REGS: gl.constexpr = gl.constexpr(40)
+_CONSUMER_REGS: gl.constexpr = gl.constexpr(232)
+
+
+def _tiles():
+    """(BLOCK_M, BLOCK_N, BLOCK_K, CONSUMERS) worth timing. Each consumer warpgroup holds a
+    (BLOCK_M / CONSUMERS) x BLOCK_N fp32 accumulator: 64 x 256 or 128 x 128 is 128 registers a
+    thread, 64 x 128 is 64."""
+    return ((128, 256, 64, 2), (256, 128, 64, 2), (128, 128, 64, 2), (128, 128, 64, 1))
+
+
+def smem_bytes(config, itemsize=2):
+    """Shared memory a config takes: the operand ring and one output buffer per consumer."""
+    ring = config["STAGES"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
+    return ring + config["BLOCK_M"] * config["BLOCK_N"] * itemsize
+
+
+def candidates(M, N, K, dtype):
+    """Configs worth timing: each tile of ``_tiles`` that does not leave more than half the SMs
+    idle at this shape (a 128 x 256 tile at M=512, N=4096 makes 64 tiles for 132 SMs) with the
+    deepest ring that fits ``SMEM_BUDGET``, up to 6 stages."""
+    configs = []
+    for bm, bn, bk, consumers in _tiles():
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        if tiles < dispatch.SMS // 2 and (bm, bn) != (128, 128):
+            continue
+        config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CONSUMERS=consumers, GROUP_M=8, num_warps=4)
+        stages = 6
+        while stages > 2 and smem_bytes(dict(config, STAGES=stages), dtype.itemsize) > SMEM_BUDGET:
+            stages -= 1
+        configs.append(dict(config, STAGES=stages))
+    return configs
+
+
+@gluon.constexpr_function
+def _acc_layout(SUB_M, BLOCK_N):
+    # One warpgroup: its 4 warps stack along M, 16 rows each; one instruction spans all of N.
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+
+
+@gluon.jit
+def _worker(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
+            HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
+            ROLE: gl.constexpr):
+    # Worker partitions share one signature; ROLE says which this is: 1 the second consumer
+    # warpgroup, 0 the loader.
+    if ROLE == 1:
+        _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
+                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, 1)
+    else:
+        _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M)
+
+
+@gluon.jit
+def _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = x_bufs.shape[0]
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    it = 0  # k-slices issued so far, over all tiles: slice it goes to stage it % STAGES
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        for ki in range(k_tiles):
+            slot = it % STAGES
+            # A barrier starts as if its phase 1 had completed, so the first pass over the ring
+            # (waiting on phase 1) does not block; pass p waits for the consumers' release in p - 1.
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, ki * BLOCK_K], bar, x_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, ki * BLOCK_K], bar, w_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
+             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
+             CID: gl.constexpr):
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    STAGES: gl.constexpr = x_bufs.shape[0]
+    dtype: gl.constexpr = y_desc.dtype
+    acc_layout: gl.constexpr = _acc_layout(SUB_M, BLOCK_N)
+    bias_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    y_smem = y_bufs.index(CID)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    it = 0  # k-slices consumed so far, counted as the loader counts them
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros([SUB_M, BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_tiles):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            x_rows = x_bufs.index(slot).slice(CID * SUB_M, SUB_M)  # this warpgroup's rows of X
+            acc = warpgroup_mma(x_rows, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            # At most one wgmma in flight: the previous slice's has completed, so its stage is free.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+
+        # Epilogue while the accumulator is still fp32: bias, activation, one downcast, TMA store.
+        if HAS_BIAS:
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=bias_layout)
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+        acc = _activation(acc, ACTIVATION)
+        tma.store_wait(pendings=0)  # the previous tile's store (issued by one thread) has read y_smem,
+        gl.thread_barrier()  # and this warpgroup's other threads know it before they overwrite it
+        y_smem.store(acc.to(dtype))
+        fence_async_shared()  # the generic-proxy writes before the TMA store reads them
+        tma.async_copy_shared_to_global(y_desc, [pid_m * BLOCK_M + CID * SUB_M, pid_n * BLOCK_N], y_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def gluon_ws_kernel(
+    # TMA descriptors: X [M, K] in [BLOCK_M, BLOCK_K] tiles, W [N, K] in [BLOCK_N, BLOCK_K], Y [M, N]
+    # in [BLOCK_M // CONSUMERS, BLOCK_N]; bias [N] is a plain pointer (not read without HAS_BIAS)
+    x_desc, w_desc, y_desc, bias_ptr, M, N, K,
+    HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+    CONSUMERS: gl.constexpr, USE_PDL: gl.constexpr,
+):
+    if USE_PDL:  # X is the previous kernel's output: wait for it before the loader reads it
+        _gdc_launch_dependents_then_wait()
+    dtype: gl.constexpr = x_desc.dtype
+    x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    y_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + y_desc.block_type.shape, y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrive per consumer warpgroup
+    fence_async_shared()  # barrier initialisation visible to the TMA unit
+
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+                        ACTIVATION, GROUP_M, CONSUMERS, 0)),
+            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+                       ACTIVATION, GROUP_M, CONSUMERS, 1)),
+            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+                       ACTIVATION, GROUP_M, CONSUMERS, 0)),
+        ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+                        ACTIVATION, GROUP_M, CONSUMERS, 0)),
+            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+                       ACTIVATION, GROUP_M, CONSUMERS, 0)),
+        ], [1], [_LOADER_REGS])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def max_registers(config):
+    """The per-thread register cap (``maxnreg``) that lets 4 * (CONSUMERS + 1) warps fit one SM's
+    64K registers, rounded down to a multiple of 8."""
+    warps = 4 * (config["CONSUMERS"] + 1)
+    return (65536 // (warps * 32)) // 8 * 8
+
+
+def descriptors(x, weight, out, config):
+    """TMA descriptors of X, W and Y for ``config`` (the tensors may be MockTensors)."""
+    sub_m = config["BLOCK_M"] // config["CONSUMERS"]
+    return (tma_descriptor(x, (config["BLOCK_M"], config["BLOCK_K"])),
+            tma_descriptor(weight, (config["BLOCK_N"], config["BLOCK_K"])),
+            tma_descriptor(out, (sub_m, config["BLOCK_N"])))
+
+
+def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
+           prefetch_weight=False):
+    """Run on checked arguments (``kernels.selection`` calls every kernel family this way): ``x
+    [M, K]``, ``weight [N, K]``, ``out [M, N]``, fp16/bf16 of one dtype, TMA-aligned, on a Hopper
+    GPU. ``config`` comes from ``candidates``. ``pdl``: launch as a programmatic dependent launch.
+    ``input_precision``, ``upcast_bf16`` and ``prefetch_weight`` are taken for the signature every
+    kernel family shares and not used."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.dtype not in _TORCH_TO_GL or weight.dtype != x.dtype or out.dtype != x.dtype:
+        raise TypeError(f"x, weight, out: fp16 or bf16 of one dtype, got {x.dtype}, {weight.dtype}, {out.dtype}")
+    tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+    x_desc, w_desc, y_desc = descriptors(x, weight, out, config)
+    meta = dict(launch_pdl=True) if pdl else {}
+    with torch.cuda.device(x.device):
+        gluon_ws_kernel[(min(cuda_sm_count(x.device), tiles), )](
+            x_desc, w_desc, y_desc, bias if bias is not None else out, M, N, K,
+            HAS_BIAS=bias is not None, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
+            CONSUMERS=config["CONSUMERS"], USE_PDL=pdl, num_warps=4, maxnreg=max_registers(config), **meta)
+    return out
