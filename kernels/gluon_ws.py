@@ -8,13 +8,16 @@ CUTLASS's Hopper kernels do:
 - one loader warp walks the same tiles and streams X and W k-slices through a ring of
   ``STAGES`` shared-memory buffers, each with a *ready* barrier (the TMA bytes landed) and an
   *empty* barrier (every consumer is done with it);
-- ``CONSUMERS`` (1 or 2) warpgroups each own ``BLOCK_M // CONSUMERS`` rows of the output tile:
-  they wait on *ready*, run async wgmma on their rows of X and the whole W slice, release the
-  previous slice once its wgmma has completed, and at the tile's end apply bias and activation to
-  their fp32 accumulator and store it through their own shared-memory buffer with one TMA store.
+- ``CONSUMERS`` (1 or 2) warpgroups wait on *ready*, run async wgmma, release the previous slice
+  once its wgmma has completed, and at a tile's end apply bias and activation to their fp32
+  accumulator and store it through their own shared-memory buffer with one TMA store.
 
-The loader runs up to ``STAGES`` slices ahead, across tile boundaries, so the next tile's loads
-fly while the consumers are in their epilogue. Every consumer is exactly one warpgroup because a
+Two consumers share the work one of two ways. Cooperative (``PINGPONG`` off): each owns
+``BLOCK_M // 2`` rows of every tile, so a tile's W slice feeds twice the rows, and both reach their
+epilogues together. Ping-pong: they take alternate tiles whole; the ring hands out slices in tile
+order, so one consumer's MMAs on its tile run while the other is in its epilogue (the scheme
+CUTLASS names the same), at the cost of half the rows per W slice. Either way the loader runs up to
+``STAGES`` slices ahead, across tile boundaries. Every consumer is exactly one warpgroup because a
 barrier arrive is issued by one thread of its partition: with one warpgroup per partition, that
 thread's ``warpgroup_mma_wait`` covers the whole warpgroup's wgmma (a collective operation).
 
@@ -53,16 +56,22 @@ _CONSUMER_REGS: gl.constexpr = gl.constexpr(232)
 
 
 def _tiles():
-    """(BLOCK_M, BLOCK_N, BLOCK_K, CONSUMERS) worth timing. Each consumer warpgroup holds a
-    (BLOCK_M / CONSUMERS) x BLOCK_N fp32 accumulator: 64 x 256 or 128 x 128 is 128 registers a
-    thread, 64 x 128 is 64."""
-    return ((128, 256, 64, 2), (256, 128, 64, 2), (128, 128, 64, 2), (128, 128, 64, 1))
+    """(BLOCK_M, BLOCK_N, BLOCK_K, CONSUMERS, PINGPONG) worth timing. Each consumer warpgroup holds
+    a ``consumer_rows`` x BLOCK_N fp32 accumulator: 64 x 256 or 128 x 128 is 128 registers a thread,
+    64 x 128 is 64."""
+    return ((128, 256, 64, 2, False), (256, 128, 64, 2, False), (128, 128, 64, 2, True), (128, 128, 64, 2, False),
+            (128, 128, 64, 1, False))
+
+
+def consumer_rows(config):
+    """Rows of a tile one consumer warpgroup computes (and stores)."""
+    return config["BLOCK_M"] if config["PINGPONG"] else config["BLOCK_M"] // config["CONSUMERS"]
 
 
 def smem_bytes(config, itemsize=2):
     """Shared memory a config takes: the operand ring and one output buffer per consumer."""
     ring = config["STAGES"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
-    return ring + config["BLOCK_M"] * config["BLOCK_N"] * itemsize
+    return ring + config["CONSUMERS"] * consumer_rows(config) * config["BLOCK_N"] * itemsize
 
 
 def candidates(M, N, K, dtype):
@@ -70,11 +79,12 @@ def candidates(M, N, K, dtype):
     idle at this shape (a 128 x 256 tile at M=512, N=4096 makes 64 tiles for 132 SMs) with the
     deepest ring that fits ``SMEM_BUDGET``, up to 6 stages."""
     configs = []
-    for bm, bn, bk, consumers in _tiles():
+    for bm, bn, bk, consumers, pingpong in _tiles():
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         if tiles < dispatch.SMS // 2 and (bm, bn) != (128, 128):
             continue
-        config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CONSUMERS=consumers, GROUP_M=8, num_warps=4)
+        config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CONSUMERS=consumers, PINGPONG=pingpong, GROUP_M=8,
+                      num_warps=4)
         stages = 6
         while stages > 2 and smem_bytes(dict(config, STAGES=stages), dtype.itemsize) > SMEM_BUDGET:
             stages -= 1
@@ -91,12 +101,12 @@ def _acc_layout(SUB_M, BLOCK_N):
 @gluon.jit
 def _worker(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-            ROLE: gl.constexpr):
+            PINGPONG: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature; ROLE says which this is: 1 the second consumer
     # warpgroup, 0 the loader.
     if ROLE == 1:
         _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
-                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, 1)
+                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 1)
     else:
         _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M)
 
@@ -129,11 +139,16 @@ def _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M: gl.con
 @gluon.jit
 def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-             CID: gl.constexpr):
+             PINGPONG: gl.constexpr, CID: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    SUB_M: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // CONSUMERS  # this warpgroup's rows of a tile
+    FIRST_ROW: gl.constexpr = 0 if PINGPONG else CID * SUB_M
+    # Ping-pong: this consumer takes every CONSUMERS-th tile of the program's sequence, starting at
+    # its CID-th; cooperative: every tile.
+    TILE_STRIDE: gl.constexpr = CONSUMERS if PINGPONG else 1
+    FIRST_TILE: gl.constexpr = CID if PINGPONG else 0
     STAGES: gl.constexpr = x_bufs.shape[0]
     dtype: gl.constexpr = y_desc.dtype
     acc_layout: gl.constexpr = _acc_layout(SUB_M, BLOCK_N)
@@ -142,14 +157,15 @@ def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, em
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    it = 0  # k-slices consumed so far, counted as the loader counts them
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    step = gl.num_programs(0)
+    it = FIRST_TILE * k_tiles  # the loader's count of k-slices before this consumer's next tile
+    for tile in range(gl.program_id(0) + FIRST_TILE * step, num_pid_m * num_pid_n, TILE_STRIDE * step):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([SUB_M, BLOCK_N], gl.float32, acc_layout)
         for ki in range(k_tiles):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            x_rows = x_bufs.index(slot).slice(CID * SUB_M, SUB_M)  # this warpgroup's rows of X
+            x_rows = x_bufs.index(slot).slice(FIRST_ROW, SUB_M)  # this warpgroup's rows of X
             acc = warpgroup_mma(x_rows, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
             # At most one wgmma in flight: the previous slice's has completed, so its stage is free.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -157,6 +173,7 @@ def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, em
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        it += (TILE_STRIDE - 1) * k_tiles  # (ping-pong) the other consumer's tile in between
 
         # Epilogue while the accumulator is still fp32: bias, activation, one downcast, TMA store.
         if HAS_BIAS:
@@ -167,17 +184,17 @@ def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, em
         gl.thread_barrier()  # and this warpgroup's other threads know it before they overwrite it
         y_smem.store(acc.to(dtype))
         fence_async_shared()  # the generic-proxy writes before the TMA store reads them
-        tma.async_copy_shared_to_global(y_desc, [pid_m * BLOCK_M + CID * SUB_M, pid_n * BLOCK_N], y_smem)
+        tma.async_copy_shared_to_global(y_desc, [pid_m * BLOCK_M + FIRST_ROW, pid_n * BLOCK_N], y_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def gluon_ws_kernel(
     # TMA descriptors: X [M, K] in [BLOCK_M, BLOCK_K] tiles, W [N, K] in [BLOCK_N, BLOCK_K], Y [M, N]
-    # in [BLOCK_M // CONSUMERS, BLOCK_N]; bias [N] is a plain pointer (not read without HAS_BIAS)
+    # in [consumer_rows, BLOCK_N]; bias [N] is a plain pointer (not read without HAS_BIAS)
     x_desc, w_desc, y_desc, bias_ptr, M, N, K,
     HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-    CONSUMERS: gl.constexpr, USE_PDL: gl.constexpr,
+    CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, USE_PDL: gl.constexpr,
 ):
     if USE_PDL:  # X is the previous kernel's output: wait for it before the loader reads it
         _gdc_launch_dependents_then_wait()
@@ -189,24 +206,25 @@ def gluon_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrive per consumer warpgroup
+        # Released by every consumer (cooperative) or by the one whose tile it held (ping-pong).
+        mbarrier.init(empty.index(s), count=1 if PINGPONG else CONSUMERS)
     fence_async_shared()  # barrier initialisation visible to the TMA unit
 
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                        ACTIVATION, GROUP_M, CONSUMERS, 0)),
+                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
             (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                       ACTIVATION, GROUP_M, CONSUMERS, 1)),
+                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 1)),
             (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                       ACTIVATION, GROUP_M, CONSUMERS, 0)),
+                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
         ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                        ACTIVATION, GROUP_M, CONSUMERS, 0)),
+                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
             (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                       ACTIVATION, GROUP_M, CONSUMERS, 0)),
+                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
         ], [1], [_LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -222,7 +240,7 @@ def max_registers(config):
 
 def descriptors(x, weight, out, config):
     """TMA descriptors of X, W and Y for ``config`` (the tensors may be MockTensors)."""
-    sub_m = config["BLOCK_M"] // config["CONSUMERS"]
+    sub_m = consumer_rows(config)
     return (tma_descriptor(x, (config["BLOCK_M"], config["BLOCK_K"])),
             tma_descriptor(weight, (config["BLOCK_N"], config["BLOCK_K"])),
             tma_descriptor(out, (sub_m, config["BLOCK_N"])))
@@ -246,5 +264,5 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
         gluon_ws_kernel[(min(cuda_sm_count(x.device), tiles), )](
             x_desc, w_desc, y_desc, bias if bias is not None else out, M, N, K,
             HAS_BIAS=bias is not None, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
-            CONSUMERS=config["CONSUMERS"], USE_PDL=pdl, num_warps=4, maxnreg=max_registers(config), **meta)
+            CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], USE_PDL=pdl, num_warps=4, maxnreg=max_registers(config), **meta)
     return out

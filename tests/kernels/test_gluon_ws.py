@@ -26,11 +26,20 @@ def test_candidates_fit_an_sm(M, N, K):
     assert configs, "no config at all"
     for c in configs:
         assert c["CONSUMERS"] in (1, 2) and c["num_warps"] == 4, c
-        assert c["BLOCK_M"] // c["CONSUMERS"] in (64, 128), f"{c}: a consumer warpgroup takes 64 or 128 rows"
+        rows = gluon_ws.consumer_rows(c)
+        assert rows in (64, 128), f"{c}: a consumer warpgroup takes 64 or 128 rows"
+        assert not c["PINGPONG"] or c["CONSUMERS"] == 2, c
         assert 3 <= c["STAGES"] <= 6, c
         assert gluon_ws.smem_bytes(c) <= gluon_ws.SMEM_BUDGET, c
         # Every consumer's accumulator fits its registers: at most 128 fp32 values a thread.
-        assert c["BLOCK_M"] // c["CONSUMERS"] * c["BLOCK_N"] // 128 <= 128, c
+        assert rows * c["BLOCK_N"] // 128 <= 128, c
+
+
+def test_both_schedules_of_two_consumers_are_offered():
+    configs = gluon_ws.candidates(2048, 4096, 4096, torch.bfloat16)
+    assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in configs if c["PINGPONG"]} == {(128, 128)}
+    assert gluon_ws.consumer_rows(next(c for c in configs if c["PINGPONG"])) == 128  # whole tiles
+    assert gluon_ws.consumer_rows(configs[0]) == 64  # cooperative 128 x 256: half the rows each
 
 
 def test_wide_tiles_are_left_out_where_they_would_idle_half_the_sms():
@@ -67,7 +76,7 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     x_desc, w_desc, y_desc = gluon_ws.descriptors(x, w, y, config)
     meta = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
-                CONSUMERS=config["CONSUMERS"], USE_PDL=pdl, num_warps=4, maxnreg=gluon_ws.max_registers(config))
+                CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], USE_PDL=pdl, num_warps=4, maxnreg=gluon_ws.max_registers(config))
     return compile_sm90(gluon_ws.gluon_ws_kernel, (x_desc, w_desc, y_desc, b if has_bias else y, M, N, K), meta,
                         source=GluonASTSource)
 
