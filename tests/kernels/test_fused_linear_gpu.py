@@ -14,6 +14,8 @@ import torch
 from kernels import dispatch, fused_linear, kernel_choice, small_m, tiled, tma_persistent
 from kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
 
+from .conftest import make
+
 pytestmark = pytest.mark.gpu
 
 # One unit in the last place of each output dtype, relative.
@@ -31,14 +33,6 @@ def reference(x, weight, bias, activation):
 def torch_same_dtype(x, weight, bias, activation):
     y = torch.nn.functional.linear(x, weight, bias)
     return torch.relu(y) if activation == "relu" else y
-
-
-def make(M, N, K, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
-    b = torch.randn(N, device="cuda", generator=g).to(dtype)
-    return x, w, b
 
 
 def poison_allocator(numel, dtype):

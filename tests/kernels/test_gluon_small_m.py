@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from kernels import gluon_small_m
 
+from .conftest import make
+
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 # Shared memory per block on sm_90 with the opt-in carve-out.
 SM90_SMEM_BYTES = 227 * 1024
@@ -134,14 +136,6 @@ def test_weight_prefetch_is_issued_before_the_wait(M, N, K):
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
-
-def make(M, N, K, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
-    b = torch.randn(N, device="cuda", generator=g).to(dtype)
-    return x, w, b
-
 
 def check(out, x, w, b, activation, where):
     ref = reference(x, w, b, activation)

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from kernels import gluon_ws
 
+from .conftest import make
+
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 SM90_SMEM_BYTES = 227 * 1024  # per block, with the opt-in carve-out
 ACTIVATIONS = {"none": lambda y: y, "relu": torch.relu, "gelu": lambda y: F.gelu(y, approximate="tanh"),
@@ -108,14 +110,6 @@ def test_other_epilogues_compile_for_sm90(activation):
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
-
-def make(M, N, K, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
-    b = torch.randn(N, device="cuda", generator=g).to(dtype)
-    return x, w, b
-
 
 def check(out, x, w, b, activation, where):
     act = ACTIVATIONS[activation]
