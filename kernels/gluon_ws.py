@@ -48,7 +48,7 @@ INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
 
 # Shared memory a config may use (of the 227 KB an H200 SM gives one block; the rest is barriers
 # and slack).
-SMEM_BUDGET = 216 * 1024
+SMEM_BUDGET = 224 * 1024
 # Registers a thread of the loader warp gets (it only computes addresses) and of the second consumer
 # warpgroup; the first consumer, the default partition, gets what maxnreg leaves (max_registers).
 _LOADER_REGS: gl.constexpr = gl.constexpr(40)
@@ -56,11 +56,12 @@ _CONSUMER_REGS: gl.constexpr = gl.constexpr(232)
 
 
 def _tiles():
-    """(BLOCK_M, BLOCK_N, BLOCK_K, CONSUMERS, PINGPONG) worth timing. Each consumer warpgroup holds
-    a ``consumer_rows`` x BLOCK_N fp32 accumulator: 64 x 256 or 128 x 128 is 128 registers a thread,
-    64 x 128 is 64."""
-    return ((128, 256, 64, 2, False), (256, 128, 64, 2, False), (128, 128, 64, 2, True), (128, 128, 64, 2, False),
-            (128, 128, 64, 1, False))
+    """(BLOCK_M, BLOCK_N, BLOCK_K, CONSUMERS, PINGPONG, EPI_SPLIT) worth timing. Each consumer
+    warpgroup holds a ``consumer_rows`` x BLOCK_N fp32 accumulator: 64 x 256 or 128 x 128 is 128
+    registers a thread, 64 x 128 is 64. EPI_SPLIT=2 stores the tile in two column halves through a
+    buffer half as wide: for 128 x 256 that is what a fourth stage needs."""
+    return ((128, 256, 64, 2, False, 2), (128, 256, 64, 2, False, 1), (256, 128, 64, 2, False, 1),
+            (128, 128, 64, 2, True, 1), (128, 128, 64, 2, False, 1), (128, 128, 64, 1, False, 1))
 
 
 def consumer_rows(config):
@@ -71,7 +72,7 @@ def consumer_rows(config):
 def smem_bytes(config, itemsize=2):
     """Shared memory a config takes: the operand ring and one output buffer per consumer."""
     ring = config["STAGES"] * (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
-    return ring + config["CONSUMERS"] * consumer_rows(config) * config["BLOCK_N"] * itemsize
+    return ring + config["CONSUMERS"] * consumer_rows(config) * config["BLOCK_N"] // config["EPI_SPLIT"] * itemsize
 
 
 def candidates(M, N, K, dtype):
@@ -79,12 +80,12 @@ def candidates(M, N, K, dtype):
     idle at this shape (a 128 x 256 tile at M=512, N=4096 makes 64 tiles for 132 SMs) with the
     deepest ring that fits ``SMEM_BUDGET``, up to 6 stages."""
     configs = []
-    for bm, bn, bk, consumers, pingpong in _tiles():
+    for bm, bn, bk, consumers, pingpong, epi_split in _tiles():
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         if tiles < dispatch.SMS // 2 and (bm, bn) != (128, 128):
             continue
-        config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CONSUMERS=consumers, PINGPONG=pingpong, GROUP_M=8,
-                      num_warps=4)
+        config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CONSUMERS=consumers, PINGPONG=pingpong,
+                      EPI_SPLIT=epi_split, GROUP_M=8, num_warps=4)
         stages = 6
         while stages > 2 and smem_bytes(dict(config, STAGES=stages), dtype.itemsize) > SMEM_BUDGET:
             stages -= 1
@@ -101,12 +102,12 @@ def _acc_layout(SUB_M, BLOCK_N):
 @gluon.jit
 def _worker(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-            PINGPONG: gl.constexpr, ROLE: gl.constexpr):
+            PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature; ROLE says which this is: 1 the second consumer
     # warpgroup, 0 the loader.
     if ROLE == 1:
         _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
-                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 1)
+                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 1)
     else:
         _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M)
 
@@ -139,7 +140,7 @@ def _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M: gl.con
 @gluon.jit
 def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-             PINGPONG: gl.constexpr, CID: gl.constexpr):
+             PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, CID: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -179,13 +180,23 @@ def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, em
         if HAS_BIAS:
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=bias_layout)
             acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-        acc = _activation(acc, ACTIVATION)
-        tma.store_wait(pendings=0)  # the previous tile's store (issued by one thread) has read y_smem,
-        gl.thread_barrier()  # and this warpgroup's other threads know it before they overwrite it
-        y_smem.store(acc.to(dtype))
-        fence_async_shared()  # the generic-proxy writes before the TMA store reads them
-        tma.async_copy_shared_to_global(y_desc, [pid_m * BLOCK_M + FIRST_ROW, pid_n * BLOCK_N], y_smem)
+        acc = _activation(acc, ACTIVATION).to(dtype)
+        if EPI_SPLIT == 1:
+            _store_tile(acc, y_smem, y_desc, pid_m * BLOCK_M + FIRST_ROW, pid_n * BLOCK_N)
+        else:  # two column halves through a half-width buffer (the shared memory buys a stage)
+            left, right = acc.reshape([SUB_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
+            _store_tile(left, y_smem, y_desc, pid_m * BLOCK_M + FIRST_ROW, pid_n * BLOCK_N)
+            _store_tile(right, y_smem, y_desc, pid_m * BLOCK_M + FIRST_ROW, pid_n * BLOCK_N + BLOCK_N // 2)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_tile(tile, y_smem, y_desc, row, col):
+    tma.store_wait(pendings=0)  # the previous store (issued by one thread) has read y_smem,
+    gl.thread_barrier()  # and this warpgroup's other threads know it before they overwrite it
+    y_smem.store(tile)
+    fence_async_shared()  # the generic-proxy writes before the TMA store reads them
+    tma.async_copy_shared_to_global(y_desc, [row, col], y_smem)
 
 
 @gluon.jit
@@ -194,7 +205,7 @@ def gluon_ws_kernel(
     # in [consumer_rows, BLOCK_N]; bias [N] is a plain pointer (not read without HAS_BIAS)
     x_desc, w_desc, y_desc, bias_ptr, M, N, K,
     HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-    CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, USE_PDL: gl.constexpr,
+    CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, USE_PDL: gl.constexpr,
 ):
     if USE_PDL:  # X is the previous kernel's output: wait for it before the loader reads it
         _gdc_launch_dependents_then_wait()
@@ -213,18 +224,18 @@ def gluon_ws_kernel(
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
+                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
             (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 1)),
+                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 1)),
             (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
+                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
         ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
+                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
             (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
-                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, 0)),
+                       ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
         ], [1], [_LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -243,7 +254,7 @@ def descriptors(x, weight, out, config):
     sub_m = consumer_rows(config)
     return (tma_descriptor(x, (config["BLOCK_M"], config["BLOCK_K"])),
             tma_descriptor(weight, (config["BLOCK_N"], config["BLOCK_K"])),
-            tma_descriptor(out, (sub_m, config["BLOCK_N"])))
+            tma_descriptor(out, (sub_m, config["BLOCK_N"] // config["EPI_SPLIT"])))
 
 
 def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
@@ -264,5 +275,6 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
         gluon_ws_kernel[(min(cuda_sm_count(x.device), tiles), )](
             x_desc, w_desc, y_desc, bias if bias is not None else out, M, N, K,
             HAS_BIAS=bias is not None, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
-            CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], USE_PDL=pdl, num_warps=4, maxnreg=max_registers(config), **meta)
+            CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"],
+            EPI_SPLIT=config["EPI_SPLIT"], USE_PDL=pdl, num_warps=4, maxnreg=max_registers(config), **meta)
     return out

@@ -42,6 +42,9 @@ def test_both_schedules_of_two_consumers_are_offered():
     assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in configs if c["PINGPONG"]} == {(128, 128)}
     assert gluon_ws.consumer_rows(next(c for c in configs if c["PINGPONG"])) == 128  # whole tiles
     assert gluon_ws.consumer_rows(configs[0]) == 64  # cooperative 128 x 256: half the rows each
+    # Storing 128 x 256 in two column halves frees the shared memory of a fourth stage.
+    wide = {c["EPI_SPLIT"]: c["STAGES"] for c in configs if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256)}
+    assert wide == {1: 3, 2: 4}
 
 
 def test_wide_tiles_are_left_out_where_they_would_idle_half_the_sms():
@@ -78,7 +81,8 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     x_desc, w_desc, y_desc = gluon_ws.descriptors(x, w, y, config)
     meta = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
-                CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], USE_PDL=pdl, num_warps=4, maxnreg=gluon_ws.max_registers(config))
+                CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], EPI_SPLIT=config["EPI_SPLIT"],
+                USE_PDL=pdl, num_warps=4, maxnreg=gluon_ws.max_registers(config))
     return compile_sm90(gluon_ws.gluon_ws_kernel, (x_desc, w_desc, y_desc, b if has_bias else y, M, N, K), meta,
                         source=GluonASTSource)
 
