@@ -100,13 +100,13 @@ def _acc_layout(SUB_M, BLOCK_N):
 
 
 @gluon.jit
-def _worker(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
+def _worker(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
             PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature; ROLE says which this is: 1 the second consumer
     # warpgroup, 0 the loader.
     if ROLE == 1:
-        _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
+        _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
                  HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 1)
     else:
         _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M)
@@ -138,7 +138,7 @@ def _load(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, N, K, GROUP_M: gl.con
 
 
 @gluon.jit
-def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K,
+def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
              PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, CID: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -160,8 +160,16 @@ def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, em
     k_tiles = gl.cdiv(K, BLOCK_K)
     step = gl.num_programs(0)
     it = FIRST_TILE * k_tiles  # the loader's count of k-slices before this consumer's next tile
+    n = 0  # tiles this consumer has done
     for tile in range(gl.program_id(0) + FIRST_TILE * step, num_pid_m * num_pid_n, TILE_STRIDE * step):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        if PINGPONG:
+            # Take turns on the tensor cores: start this tile's MMAs only once the other consumer
+            # has released every slice of its tile before this one. That is also what keeps the
+            # ready barriers' parity unambiguous: a consumer skipping the other's slices must never
+            # wait on a slot two passes ahead of its barrier. The first tile of consumer 0 waits on
+            # nothing (a barrier starts as if its phase 1 had completed).
+            mbarrier.wait(turn.index(CID), (n & 1) ^ (1 - CID))
         acc = gl.zeros([SUB_M, BLOCK_N], gl.float32, acc_layout)
         for ki in range(k_tiles):
             slot = it % STAGES
@@ -174,7 +182,10 @@ def _consume(x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, em
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - CID), count=1)  # the other's turn; this one's epilogue overlaps it
         it += (TILE_STRIDE - 1) * k_tiles  # (ping-pong) the other consumer's tile in between
+        n += 1
 
         # Epilogue while the accumulator is still fp32: bias, activation, one downcast, TMA store.
         if HAS_BIAS:
@@ -215,31 +226,41 @@ def gluon_ws_kernel(
     y_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS] + y_desc.block_type.shape, y_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose MMAs
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         # Released by every consumer (cooperative) or by the one whose tile it held (ping-pong).
         mbarrier.init(empty.index(s), count=1 if PINGPONG else CONSUMERS)
+    for c in gl.static_range(2):
+        mbarrier.init(turn.index(c), count=1)
     fence_async_shared()  # barrier initialisation visible to the TMA unit
 
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+            (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
+                        HAS_BIAS,
                         ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
-            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
+                        HAS_BIAS,
                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 1)),
-            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
+                        HAS_BIAS,
                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
         ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+            (_consume, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
+                        HAS_BIAS,
                         ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
-            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, M, N, K, HAS_BIAS,
+            (_worker, (x_desc, w_desc, y_desc, bias_ptr, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K,
+                        HAS_BIAS,
                        ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, 0)),
         ], [1], [_LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
+    for c in gl.static_range(2):
+        mbarrier.invalidate(turn.index(c))
 
 
 def max_registers(config):

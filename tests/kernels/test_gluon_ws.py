@@ -70,6 +70,102 @@ def test_launch_rejects_mixed_dtypes():
                         torch.empty(256, 256, dtype=torch.bfloat16), config)
 
 
+# ---------------------------------------------------------------- the barrier protocol (CPU, CI)
+
+class _Barrier:
+    """An mbarrier as the hardware keeps it: a phase counter that completes after ``count``
+    arrivals; waiting with parity P blocks while the current phase's parity is P."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def ready(self, parity):
+        return self.phase & 1 != parity
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+
+def _run_protocol(tiles, k_tiles, stages, consumers, pingpong, turns, seed):
+    """The kernel's loader and consumers of one program as coroutines, stepped in a random order;
+    each wait yields until its barrier lets it through. Checks every slice a consumer reads is the
+    one it expects and every slot the loader fills has been released by whoever reads it."""
+    import random
+
+    rng = random.Random(seed)
+    ready = [_Barrier(1) for _ in range(stages)]
+    empty = [_Barrier(1 if pingpong else consumers) for _ in range(stages)]
+    turn = [_Barrier(1) for _ in range(2)]
+    slots = [None] * stages  # the k-slice (global index) each slot holds
+    consumed = []
+
+    def loader():
+        it = 0
+        for _ in range(tiles):
+            for _ in range(k_tiles):
+                slot = it % stages
+                while not empty[slot].ready(((it // stages) & 1) ^ 1):
+                    yield
+                assert slots[slot] is None or slots[slot] < it, "slot refilled out of order"
+                slots[slot] = it
+                ready[slot].arrive()  # (expect + the TMA bytes landing, taken as one event)
+                it += 1
+
+    def consumer(cid):
+        stride, first = (consumers, cid) if pingpong else (1, 0)
+        it, n = first * k_tiles, 0
+        for _ in range(first, tiles, stride):
+            if pingpong and turns:
+                while not turn[cid].ready((n & 1) ^ (1 - cid)):
+                    yield
+            for ki in range(k_tiles):
+                slot = it % stages
+                while not ready[slot].ready((it // stages) & 1):
+                    yield
+                assert slots[slot] == it, f"consumer {cid} read slice {slots[slot]} as slice {it}"
+                consumed.append((cid, it))
+                if ki > 0:
+                    empty[(it + stages - 1) % stages].arrive()
+                it += 1
+                yield
+            empty[(it + stages - 1) % stages].arrive()
+            if pingpong and turns:
+                turn[1 - cid].arrive()
+            it += (stride - 1) * k_tiles
+            n += 1
+
+    actors = [loader()] + [consumer(c) for c in range(consumers)]
+    for _ in range(200_000):  # each step moves one actor on, or lets it find its wait unmet again
+        if not actors:
+            break
+        actor = rng.choice(actors)
+        try:
+            next(actor)
+        except StopIteration:
+            actors.remove(actor)
+    assert not actors, "deadlock: the actors left all wait on barriers nobody will arrive at"
+    return consumed
+
+
+@pytest.mark.parametrize("consumers, pingpong", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("tiles, k_tiles, stages", [(1, 1, 3), (3, 5, 4), (4, 2, 5), (5, 64, 5), (2, 7, 6)])
+def test_barrier_protocol_hands_every_slice_to_its_consumer(consumers, pingpong, tiles, k_tiles, stages):
+    for seed in range(20):
+        consumed = _run_protocol(tiles, k_tiles, stages, consumers, pingpong, turns=True, seed=seed)
+        expected = tiles * k_tiles * (1 if pingpong else consumers)
+        assert len(consumed) == expected, f"seed {seed}: {len(consumed)} of {expected} slices consumed"
+
+
+def test_pingpong_without_turns_would_read_stale_slices():
+    # The turn barriers are what keeps the second consumer from waiting on a slot two passes ahead
+    # of its ready barrier (whose parity then reads as done): without them the model catches it.
+    with pytest.raises(AssertionError, match="read slice"):
+        for seed in range(50):
+            _run_protocol(4, 64, 5, 2, pingpong=True, turns=False, seed=seed)
+
+
 # ---------------------------------------------------------------- sm_90 compiles (CPU, CI)
 
 def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch.bfloat16):
