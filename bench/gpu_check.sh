@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One pass over everything that needs the GPU: GPU tests, kernel and model benchmarks, and an
 # end-to-end server check. Run on the GPU host from the repository root:
-#   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-tma e2e model
-#                                         kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host
-#                                         ab pack
+#   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma
+#                                         e2e model kernels-small kernels-full load sweep gluon-sweep mlp-sweep
+#                                         profile fp32 host ab ws-sweep pack
+# ws-sweep: every config of the warp-specialized Gluon kernel next to the TMA kernel's at WS_SHAPES
+# (MxNxK,...; default the shapes where the TMA kernel trails cuBLASLt), ws_sweep_h200.jsonl.
 # kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16, no
 # torch.compile (kernels_h200_small.json). kernels-full: the whole plan, ~20 min on an H200, so
 # KERNELS_NK="8192x8192" runs it at those N x K only (kernels_h200_8192x8192.json).
@@ -108,6 +110,11 @@ for s in "${stages[@]}"; do
             -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py ;;
         tests-gluon-small) stage tests-gluon-small 300 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
             -p no:cacheprovider tests/kernels/test_gluon_small_m.py tests/kernels/test_fused_linear_gpu.py ;;
+        tests-gluon-ws) stage tests-gluon-ws 240 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
+            -p no:cacheprovider tests/kernels/test_gluon_ws.py ;;
+        ws-sweep) stage ws-sweep 300 python3 bench/small_m_sweep.py --kernel ws --budget-s 240 \
+            --shapes "${WS_SHAPES:-256x11008x4096,512x4096x4096,256x8192x8192,2048x4096x4096,1024x11008x4096}" \
+            --out "$out/ws_sweep_h200.jsonl" ;;
         tests-tma) stage tests-tma 200 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header -p no:cacheprovider \
             tests/kernels/test_fused_linear_gpu.py tests/kernels/test_fused_linear.py -k "tma" ;;
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
@@ -131,6 +138,6 @@ for s in "${stages[@]}"; do
         ab) ab ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
-        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab pack)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab ws-sweep pack)" | tee -a "$log" ;;
     esac
 done

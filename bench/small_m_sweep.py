@@ -1,11 +1,12 @@
 """Sweep the weight-streaming kernel's configs with and without programmatic dependent launch
 (PDL) and the weight prefetch, next to cuBLAS, at small M: the data behind ``kernels.small_m``'s
 candidate lists. For M > 64 it sweeps the TMA persistent kernel's candidates instead. With
-``--kernel gluon`` it sweeps ``kernels.gluon_small_m`` (Hopper) at M <= 64 instead.
+``--kernel gluon`` it sweeps ``kernels.gluon_small_m`` (Hopper) at M <= 64 instead; with ``--kernel
+ws`` (past M=64) the warp-specialized ``kernels.gluon_ws`` next to the TMA persistent kernel.
 
 Run on a CUDA GPU from the repository root (stops starting new configs after --budget-s):
 
-    python bench/small_m_sweep.py --out bench/results/small_m_sweep_h200.jsonl [--budget-s 280] [--kernel gluon]
+    python bench/small_m_sweep.py --out bench/results/small_m_sweep_h200.jsonl [--budget-s 280] [--kernel gluon|ws]
                                   [--shapes 256x4096x4096,512x4096x4096]
 
 Each line of the output is one timing: {"M", "N", "K", "impl", "cfg", "pdl", "pre", "us"} (or
@@ -30,7 +31,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
 from bench.json_lines import JsonLines  # noqa: E402
-from kernels import dispatch, gluon_small_m, small_m, tma_persistent  # noqa: E402
+from kernels import dispatch, gluon_small_m, gluon_ws, small_m, tma_persistent  # noqa: E402
 
 # (M, N, K), most telling first, in case the budget runs out.
 PLAN = ((1, 4096, 4096), (16, 4096, 4096), (4, 4096, 4096), (1, 1024, 1024), (8, 1024, 1024),
@@ -89,28 +90,32 @@ def timed(fn, sets, M, N, K):
         return None, f"{type(e).__name__}: {str(e)[:150]}"
 
 
-def sweep_shape(M, N, K, emit, deadline, gluon=False):
+def sweep_shape(M, N, K, emit, deadline, kernel="triton"):
     sets = kbench.make_sets(M, N, K, torch.bfloat16)
     peers = {"cublaslt_fused": lambda x, w, b: torch._addmm_activation(b, x, w.t()),
              "torch_unfused": kbench.relu_linear}
     for name, fn in peers.items():
         us, err = timed(fn, sets, M, N, K)
         emit(dict(M=M, N=N, K=K, impl=name, us=us, err=err))
-    if gluon:
-        module, configs = gluon_small_m, gluon_configs(M, N, K)
+    if kernel == "gluon":
+        plans = [(gluon_small_m, gluon_configs(M, N, K))]
+    elif kernel == "ws":  # the warp-specialized kernel next to the TMA kernel it would replace
+        plans = [(tma_persistent, tma_persistent.candidates(M, N, K, torch.bfloat16)),
+                 (gluon_ws, gluon_ws.candidates(M, N, K, torch.bfloat16))]
     else:
-        module = small_m if M <= 64 else tma_persistent
-        configs = sweep_configs(M, N) if M <= 64 else tma_persistent.candidates(M, N, K, torch.bfloat16)
-    first = (True, M <= 64 or gluon)  # PDL, and the weight prefetch wherever the kernel has one
+        plans = [(small_m, sweep_configs(M, N)) if M <= 64
+                 else (tma_persistent, tma_persistent.candidates(M, N, K, torch.bfloat16))]
+    first = (True, M <= 64 or kernel == "gluon")  # PDL, and the weight prefetch wherever the kernel has one
     timings = []
-    for config in configs:
-        if time.monotonic() > deadline:
-            return
-        us, err = timed(launcher(module, config, *first), sets, M, N, K)
-        emit(dict(M=M, N=N, K=K, impl=module.NAME, cfg=config, pdl=first[0], pre=first[1], us=us, err=err))
-        if us is not None:
-            timings.append((us, config))
-    for _, config in sorted(timings, key=lambda t: t[0])[:3]:
+    for module, configs in plans:
+        for config in configs:
+            if time.monotonic() > deadline:
+                return
+            us, err = timed(launcher(module, config, *first), sets, M, N, K)
+            emit(dict(M=M, N=N, K=K, impl=module.NAME, cfg=config, pdl=first[0], pre=first[1], us=us, err=err))
+            if us is not None:
+                timings.append((us, module, config))
+    for _, module, config in sorted(timings, key=lambda t: t[0])[:3]:
         for variant in {(False, False), (True, False), first} - {first}:
             us, err = timed(launcher(module, config, *variant), sets, M, N, K)
             emit(dict(M=M, N=N, K=K, impl=module.NAME, cfg=config, pdl=variant[0], pre=variant[1], us=us, err=err))
@@ -129,8 +134,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="JSON-lines file to write")
     parser.add_argument("--budget-s", type=float, default=280.0, help="start no new config after this")
-    parser.add_argument("--kernel", choices=("triton", "gluon"), default="triton",
-                        help="sweep the Triton weight-streaming kernels (default) or the Gluon one")
+    parser.add_argument("--kernel", choices=("triton", "gluon", "ws"), default="triton",
+                        help="sweep the Triton weight-streaming kernels (default), the Gluon one, or (ws, "
+                             "past M=64) the warp-specialized Gluon kernel's configs next to the TMA kernel's")
     parser.add_argument("--shapes", type=_shapes, help="MxNxK,... to sweep instead of the plan")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -141,12 +147,12 @@ def main():
             if time.monotonic() > deadline:
                 print(f"budget of {args.budget_s} s spent before M={M} N={N} K={K}")
                 break
-            sweep_shape(M, N, K, out.emit, deadline, gluon=args.kernel == "gluon")
+            sweep_shape(M, N, K, out.emit, deadline, kernel=args.kernel)
             here = [r for r in out.rows if (r["M"], r["N"], r["K"]) == (M, N, K) and r["us"] is not None]
             peers = {r["impl"]: round(r["us"], 2) for r in here if "cfg" not in r}
             print(f"M={M} N={N} K={K} peers {peers}")
             for r in sorted((r for r in here if "cfg" in r), key=lambda r: r["us"])[:5]:
-                print(f"  {r['us']:8.2f} us  pdl={r['pdl']:d} prefetch={r['pre']:d}  {r['cfg']}")
+                print(f"  {r['us']:8.2f} us  {r['impl']}  pdl={r['pdl']:d} prefetch={r['pre']:d}  {r['cfg']}")
 
 
 if __name__ == "__main__":

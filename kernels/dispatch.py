@@ -10,6 +10,7 @@ SMALL_M = "triton_small_m"
 TMA_PERSISTENT = "triton_tma_persistent"
 GLUON = "gluon_wgmma"
 GLUON_SMALL_M = "gluon_small_m"
+GLUON_WS = "gluon_ws"
 
 # Up to this many rows the layer is bound by reading W, and the weight-streaming kernel (X^T tile
 # 16..64 wide) covers the whole batch in one program column: it is the only candidate.
@@ -49,7 +50,9 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
          TMA cannot read).
       2. ``SMALL_M_MAX < M <= MID_M_MAX``: ``triton_small_m`` is added as a second candidate.
       3. Hopper, fp16/bf16, ``tma_aligned`` and ``gluon_ok``: ``gluon_wgmma`` is added (any M), and
-         ``gluon_small_m`` (swap-AB weight streaming through TMA) when ``M <= GLUON_SMALL_M_MAX``.
+         ``gluon_small_m`` (swap-AB weight streaming through TMA) when ``M <= GLUON_SMALL_M_MAX``,
+         and ``gluon_ws`` (warp-specialized: a loader warp and one or two MMA warpgroups) when
+         ``M > SMALL_M_MAX``.
     """
     hopper_16bit = capability is not None and capability[0] == 9 and dtype in (torch.float16, torch.bfloat16)
     if M <= SMALL_M_MAX:
@@ -64,4 +67,6 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
         if M <= GLUON_SMALL_M_MAX:
             kernels.append(GLUON_SMALL_M)
         kernels.append(GLUON)
+        if M > SMALL_M_MAX:
+            kernels.append(GLUON_WS)
     return tuple(kernels)

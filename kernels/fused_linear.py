@@ -13,7 +13,8 @@ from kernels import dispatch, selection, tma_persistent
 from kernels.activations import TORCH_ACTIVATIONS
 from kernels.arguments import check_args, interpreting
 
-KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON, dispatch.GLUON_SMALL_M)
+KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON, dispatch.GLUON_SMALL_M,
+           dispatch.GLUON_WS)
 
 
 def _unit_column_stride(t):
@@ -96,7 +97,7 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
         raise ValueError(f"name {name!r} needs fp16/bf16, 16-byte aligned rows (N={N}, K={K}) and a Hopper "
                          "GPU or the interpreter")
     gluon_small = name == dispatch.GLUON_SMALL_M
-    if name in (dispatch.GLUON, dispatch.GLUON_SMALL_M) and not (
+    if name in (dispatch.GLUON, dispatch.GLUON_SMALL_M, dispatch.GLUON_WS) and not (
             aligned and selection.gluon_ok(M, N, K, x2d.dtype, x2d.device) and (not gluon_small or M <= dispatch.GLUON_SMALL_M_MAX)):
         raise ValueError(f"name {name!r}: the Gluon kernel is unavailable or does not accept "
                          f"M={M} N={N} K={K} {x2d.dtype} on {x2d.device}"

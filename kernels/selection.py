@@ -26,14 +26,17 @@ def gluon_module():
 
 
 @functools.cache
-def _gluon_small_m():
-    return importlib.import_module("kernels.gluon_small_m")
+def _gluon_module(name):
+    return importlib.import_module(f"kernels.{name}")
 
 
 def launcher(name):
     """The module that times and launches kernel ``name`` (``candidates``, ``launch``); the Gluon
-    weight-streaming one is imported on first use (its module needs the optional Gluon API)."""
-    return _gluon_small_m() if name == dispatch.GLUON_SMALL_M else LAUNCHERS[name]
+    weight-streaming and warp-specialized ones are imported on first use (their modules need the
+    optional Gluon API)."""
+    if name in (dispatch.GLUON_SMALL_M, dispatch.GLUON_WS):
+        return _gluon_module(name)
+    return LAUNCHERS[name]
 
 
 def capability(device):

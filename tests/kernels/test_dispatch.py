@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import autotune_cache
-from kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED,
+from kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, GLUON_WS, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED,
                               TMA_PERSISTENT, candidate_kernels, m_bucket)
 
 HOPPER = (9, 0)
@@ -40,7 +40,7 @@ def test_large_batches_on_hopper_use_tma(M):
 
 @pytest.mark.parametrize("M", [1, 100, 4096])
 def test_gluon_competes_where_it_accepts_the_shape(M):
-    assert kernels_for(M, gluon_ok=True)[-1] == GLUON
+    assert GLUON in kernels_for(M, gluon_ok=True)
     assert GLUON not in kernels_for(M, gluon_ok=False)
     assert GLUON not in kernels_for(M, gluon_ok=True, tma_aligned=False)
     assert GLUON not in kernels_for(M, torch.float32, gluon_ok=True)
@@ -55,8 +55,18 @@ def test_gluon_weight_streaming_competes_at_small_batches_on_hopper(M):
     assert GLUON_SMALL_M not in kernels_for(M, torch.float32, gluon_ok=True)
     assert GLUON_SMALL_M not in kernels_for(M, gluon_ok=True, tma_aligned=False)
     assert GLUON_SMALL_M not in kernels_for(M, capability=AMPERE, gluon_ok=True)
-    assert kernels_for(GLUON_SMALL_M_MAX, gluon_ok=True) == (TMA_PERSISTENT, SMALL_M, GLUON_SMALL_M, GLUON)
+    assert kernels_for(GLUON_SMALL_M_MAX, gluon_ok=True) == (TMA_PERSISTENT, SMALL_M, GLUON_SMALL_M, GLUON, GLUON_WS)
     assert GLUON_SMALL_M not in kernels_for(GLUON_SMALL_M_MAX + 1, gluon_ok=True)
+
+
+@pytest.mark.parametrize("M", [SMALL_M_MAX + 1, 256, 4096])
+def test_warp_specialized_gluon_competes_past_small_batches_on_hopper(M):
+    assert kernels_for(M, gluon_ok=True)[-1] == GLUON_WS
+    assert kernels_for(M, torch.float16, gluon_ok=True)[-1] == GLUON_WS
+    assert GLUON_WS not in kernels_for(SMALL_M_MAX, gluon_ok=True)  # weight streaming's ground
+    for kwargs in (dict(gluon_ok=False), dict(dtype=torch.float32, gluon_ok=True),
+                   dict(gluon_ok=True, tma_aligned=False), dict(capability=AMPERE, gluon_ok=True)):
+        assert GLUON_WS not in kernels_for(M, **kwargs), kwargs
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -1,0 +1,293 @@
+"""The warp-specialized Gluon kernel: its configs and sm_90 compiles (CPU, CI); numerics against
+float64 and dependent launches in a CUDA graph (Hopper GPU).
+
+Gluon never runs under TRITON_INTERPRET, so on the CPU the kernel is only compiled for sm_90 and its
+PTX, shared memory and registers are checked.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import gluon_ws
+
+from .conftest import make
+
+IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+SM90_SMEM_BYTES = 227 * 1024  # per block, with the opt-in carve-out
+ACTIVATIONS = {"none": lambda y: y, "relu": torch.relu, "gelu": lambda y: F.gelu(y, approximate="tanh"),
+               "silu": F.silu}
+
+
+# ---------------------------------------------------------------- configs (CPU, CI)
+
+@pytest.mark.parametrize("M, N, K", [(65, 4096, 4096), (256, 11008, 4096), (512, 4096, 4096), (4096, 8192, 8192),
+                                     (100, 136, 72)])
+def test_candidates_fit_an_sm(M, N, K):
+    configs = gluon_ws.candidates(M, N, K, torch.bfloat16)
+    assert configs, "no config at all"
+    for c in configs:
+        assert c["CONSUMERS"] in (1, 2) and c["num_warps"] == 4, c
+        rows = gluon_ws.consumer_rows(c)
+        assert rows in (64, 128), f"{c}: a consumer warpgroup takes 64 or 128 rows"
+        assert not c["PINGPONG"] or c["CONSUMERS"] == 2, c
+        assert 3 <= c["STAGES"] <= 6, c
+        assert gluon_ws.smem_bytes(c) <= gluon_ws.SMEM_BUDGET, c
+        # Every consumer's accumulator fits its registers: at most 128 fp32 values a thread.
+        assert rows * c["BLOCK_N"] // 128 <= 128, c
+
+
+def test_both_schedules_of_two_consumers_are_offered():
+    configs = gluon_ws.candidates(2048, 4096, 4096, torch.bfloat16)
+    assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in configs if c["PINGPONG"]} == {(128, 128)}
+    assert gluon_ws.consumer_rows(next(c for c in configs if c["PINGPONG"])) == 128  # whole tiles
+    assert gluon_ws.consumer_rows(configs[0]) == 64  # cooperative 128 x 256: half the rows each
+    # Storing 128 x 256 in two column halves frees the shared memory of a fourth stage.
+    wide = {c["EPI_SPLIT"]: c["STAGES"] for c in configs if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256)}
+    assert wide == {1: 3, 2: 4}
+
+
+def test_wide_tiles_are_left_out_where_they_would_idle_half_the_sms():
+    # M=512, N=4096: 64 tiles of 128 x 256 or 256 x 128 for 132 SMs; 128 x 128 makes 128.
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"]) for c in gluon_ws.candidates(512, 4096, 4096, torch.bfloat16)}
+    assert tiles == {(128, 128)}
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"]) for c in gluon_ws.candidates(4096, 4096, 4096, torch.bfloat16)}
+    assert tiles == {(128, 256), (256, 128), (128, 128)}
+
+
+@pytest.mark.parametrize("consumers, cap", [(1, 256), (2, 168)])
+def test_register_cap_fits_every_warp_in_one_sm(consumers, cap):
+    config = dict(CONSUMERS=consumers)
+    assert gluon_ws.max_registers(config) == cap
+    assert gluon_ws.max_registers(config) * 32 * 4 * (consumers + 1) <= 65536
+
+
+def test_launch_rejects_mixed_dtypes():
+    config = gluon_ws.candidates(256, 256, 128, torch.bfloat16)[0]
+    x = torch.zeros(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="one dtype"):
+        gluon_ws.launch(x, torch.zeros(256, 128, dtype=torch.float16), None, "relu",
+                        torch.empty(256, 256, dtype=torch.bfloat16), config)
+
+
+# ---------------------------------------------------------------- the barrier protocol (CPU, CI)
+
+class _Barrier:
+    """An mbarrier as the hardware keeps it: a phase counter that completes after ``count``
+    arrivals; waiting with parity P blocks while the current phase's parity is P."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def ready(self, parity):
+        return self.phase & 1 != parity
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+
+def _run_protocol(tiles, k_tiles, stages, consumers, pingpong, turns, seed):
+    """The kernel's loader and consumers of one program as coroutines, stepped in a random order;
+    each wait yields until its barrier lets it through. Checks every slice a consumer reads is the
+    one it expects and every slot the loader fills has been released by whoever reads it."""
+    import random
+
+    rng = random.Random(seed)
+    ready = [_Barrier(1) for _ in range(stages)]
+    empty = [_Barrier(1 if pingpong else consumers) for _ in range(stages)]
+    turn = [_Barrier(1) for _ in range(2)]
+    slots = [None] * stages  # the k-slice (global index) each slot holds
+    consumed = []
+
+    def loader():
+        it = 0
+        for _ in range(tiles):
+            for _ in range(k_tiles):
+                slot = it % stages
+                while not empty[slot].ready(((it // stages) & 1) ^ 1):
+                    yield
+                assert slots[slot] is None or slots[slot] < it, "slot refilled out of order"
+                slots[slot] = it
+                ready[slot].arrive()  # (expect + the TMA bytes landing, taken as one event)
+                it += 1
+
+    def consumer(cid):
+        stride, first = (consumers, cid) if pingpong else (1, 0)
+        it, n = first * k_tiles, 0
+        for _ in range(first, tiles, stride):
+            if pingpong and turns:
+                while not turn[cid].ready((n & 1) ^ (1 - cid)):
+                    yield
+            for ki in range(k_tiles):
+                slot = it % stages
+                while not ready[slot].ready((it // stages) & 1):
+                    yield
+                assert slots[slot] == it, f"consumer {cid} read slice {slots[slot]} as slice {it}"
+                consumed.append((cid, it))
+                if ki > 0:
+                    empty[(it + stages - 1) % stages].arrive()
+                it += 1
+                yield
+            empty[(it + stages - 1) % stages].arrive()
+            if pingpong and turns:
+                turn[1 - cid].arrive()
+            it += (stride - 1) * k_tiles
+            n += 1
+
+    actors = [loader()] + [consumer(c) for c in range(consumers)]
+    for _ in range(200_000):  # each step moves one actor on, or lets it find its wait unmet again
+        if not actors:
+            break
+        actor = rng.choice(actors)
+        try:
+            next(actor)
+        except StopIteration:
+            actors.remove(actor)
+    assert not actors, "deadlock: the actors left all wait on barriers nobody will arrive at"
+    return consumed
+
+
+@pytest.mark.parametrize("consumers, pingpong", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("tiles, k_tiles, stages", [(1, 1, 3), (3, 5, 4), (4, 2, 5), (5, 64, 5), (2, 7, 6)])
+def test_barrier_protocol_hands_every_slice_to_its_consumer(consumers, pingpong, tiles, k_tiles, stages):
+    for seed in range(20):
+        consumed = _run_protocol(tiles, k_tiles, stages, consumers, pingpong, turns=True, seed=seed)
+        expected = tiles * k_tiles * (1 if pingpong else consumers)
+        assert len(consumed) == expected, f"seed {seed}: {len(consumed)} of {expected} slices consumed"
+
+
+def test_pingpong_without_turns_would_read_stale_slices():
+    # The turn barriers are what keeps the second consumer from waiting on a slot two passes ahead
+    # of its ready barrier (whose parity then reads as done): without them the model catches it.
+    with pytest.raises(AssertionError, match="read slice"):
+        for seed in range(50):
+            _run_protocol(4, 64, 5, 2, pingpong=True, turns=False, seed=seed)
+
+
+# ---------------------------------------------------------------- sm_90 compiles (CPU, CI)
+
+def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch.bfloat16):
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import MockTensor
+
+    from kernels._sm90 import compile_sm90
+
+    x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
+    x_desc, w_desc, y_desc = gluon_ws.descriptors(x, w, y, config)
+    meta = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
+                CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], EPI_SPLIT=config["EPI_SPLIT"],
+                USE_PDL=pdl, num_warps=4, maxnreg=gluon_ws.max_registers(config))
+    return compile_sm90(gluon_ws.gluon_ws_kernel, (x_desc, w_desc, y_desc, b if has_bias else y, M, N, K), meta,
+                        source=GluonASTSource)
+
+
+@pytest.mark.parametrize("M, N, K", [(256, 11008, 4096), (512, 4096, 4096), (4096, 4096, 4096), (100, 136, 72)])
+@pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
+def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
+    from kernels._sm90 import ptxas_usage
+
+    for config in gluon_ws.candidates(M, N, K, torch.bfloat16):
+        compiled = _compile(M, N, K, config, pdl)
+        ptx = compiled.asm["ptx"]
+        where = f"M={M} N={N} K={K} {config} pdl={pdl}"
+        assert "setmaxnreg" in ptx, f"{where}: no register reallocation between the partitions"
+        assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx, f"{where}: wgmma not pipelined"
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, f"{where}: no TMA load"
+        assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, f"{where}: no TMA store"
+        assert ("griddepcontrol.wait" in ptx) == pdl, f"{where}: griddepcontrol.wait present={not pdl}"
+        assert compiled.metadata.shared <= SM90_SMEM_BYTES, f"{where}: {compiled.metadata.shared} B shared"
+        registers, spill_bytes = ptxas_usage(compiled)
+        assert spill_bytes == 0, f"{where}: {spill_bytes} bytes spilled ({registers} registers)"
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu", "silu"])
+def test_other_epilogues_compile_for_sm90(activation):
+    config = gluon_ws.candidates(4096, 4096, 4096, torch.float16)[0]
+    ptx = _compile(4096, 4096, 4096, config, False, activation, has_bias=False, dtype=torch.float16).asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+
+
+# ---------------------------------------------------------------- numerics (Hopper GPU)
+
+def check(out, x, w, b, activation, where):
+    act = ACTIVATIONS[activation]
+    ref = act(x.double() @ w.double().T + (b.double() if b is not None else 0))
+    nan_at = torch.isnan(out).nonzero()
+    assert nan_at.numel() == 0, f"{where}: {nan_at.shape[0]} outputs never written, first at {nan_at[0].tolist()}"
+    theirs = (act(F.linear(x, w, b)).double() - ref).abs().max().item()
+    # Twice torch's own error (the two sum K in different orders), plus one output ulp of the largest value.
+    tol = 2 * theirs + torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
+    worst = (out.double() - ref).abs().max().item()
+    assert worst <= tol, f"{where}: max error {worst:.3g} > tol {tol:.3g} (torch's {theirs:.3g})"
+
+
+def _cases():
+    cases = []
+    # Awkward sizes: tails in M, N and K, one tile, more tiles than SMs, M not a multiple of a
+    # consumer's rows, and the plan's shapes.
+    for M, N, K in [(65, 136, 72), (130, 1000, 520), (300, 4096, 1000), (1000, 1000, 4096), (256, 11008, 4096),
+                    (2048, 4096, 4096), (4100, 1032, 264)]:
+        for i, config in enumerate(gluon_ws.candidates(M, N, K, torch.bfloat16)):
+            cases.append(pytest.param(M, N, K, config, id=f"{M}x{N}x{K}-{i}"))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
+@pytest.mark.parametrize("M, N, K, config", _cases())
+def test_every_candidate_matches_float64(M, N, K, config):
+    for dtype, bias, activation in ((torch.bfloat16, True, "relu"), (torch.float16, False, "none"),
+                                    (torch.float16, True, "gelu"), (torch.bfloat16, True, "silu")):
+        x, w, b = make(M, N, K, dtype)
+        b = b if bias else None
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        gluon_ws.launch(x, w, b, activation, out, config)
+        check(out, x, w, b, activation, f"{config} {dtype} bias={bias} {activation}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
+@pytest.mark.parametrize("M", [100, 512, 3000])
+@pytest.mark.parametrize("schedule", ["one consumer", "ping-pong", "cooperative"])
+def test_dependent_launches_in_a_cuda_graph(M, schedule):
+    # Three layers in one CUDA graph, each a programmatic dependent launch: a loader that read X
+    # before the previous layer finished would see the NaN poison or the previous replay's values.
+    widths = (1536, 1000, 2048, 520)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+          for k, n in zip(widths, widths[1:])]
+    bs = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in widths[1:]]
+    x = torch.randn(M, widths[0], device="cuda", generator=g).to(torch.bfloat16)
+    outs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in widths[1:]]
+    def pick(configs):  # the 128 x 128 config of this schedule
+        square = [c for c in configs if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 128)]
+        return next(c for c in square if {"one consumer": c["CONSUMERS"] == 1, "ping-pong": c["PINGPONG"],
+                                          "cooperative": c["CONSUMERS"] == 2 and not c["PINGPONG"]}[schedule])
+
+    configs = [pick(gluon_ws.candidates(M, n, k, torch.bfloat16)) for k, n in zip(widths, widths[1:])]
+
+    def chain():
+        h = x
+        for i, (w, b, out, config) in enumerate(zip(ws, bs, outs, configs)):
+            h = gluon_ws.launch(h, w, b, "relu" if i < len(ws) - 1 else "none", out, config, pdl=True)
+        return h
+
+    chain()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        x.copy_(torch.randn(M, widths[0], device="cuda", generator=g).to(torch.bfloat16))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        h = x
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            h = F.linear(h, w, b)
+            h = torch.relu(h) if i < len(ws) - 1 else h
+        # Three bf16 layers: a few bf16 roundings of the largest value (torch rounds each layer too).
+        err = (outs[-1].float() - h.float()).abs().max().item()
+        assert err <= 8 * 2**-8 * max(h.abs().max().item(), 1.0), f"M={M}: max error {err}"
