@@ -76,6 +76,9 @@ def test_wave_efficiency_counts_idle_sms_and_columns_past_n():
 def test_192_wide_tiles_only_where_they_fill_the_waves_better(M, N, offered):
     configs = gluon_ws.candidates(M, N, 4096, torch.bfloat16)
     assert {c["BLOCK_M"] for c in configs if c["BLOCK_N"] == 192} == offered
+    # each with X's slice read from shared memory by both wgmma, and read once into registers
+    split = [c for c in configs if c["BLOCK_N"] == 192 and "PDL" not in c]
+    assert sorted(c.get("A_REGS", False) for c in split) == sorted([False, True] * len(offered))
 
 
 @pytest.mark.parametrize("M, N, twins", [(128, 11008, True), (256, 11008, True), (4096, 4096, False)])
