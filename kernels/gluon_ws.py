@@ -118,16 +118,6 @@ def candidates(M, N, K, dtype):
         while stages > 2 and smem_bytes(dict(config, STAGES=stages), dtype.itemsize) > SMEM_BUDGET:
             stages -= 1
         configs.append(dict(config, STAGES=stages))
-        if n_parts(bn)[1]:
-            # A split tile reads each X slice for two wgmma: from shared memory twice, or once
-            # into registers (A_REGS), which takes registers and an ldmatrix pass instead.
-            configs.append(dict(config, STAGES=stages, A_REGS=True))
-    # Where the tiles leave SMs idle, each config also without programmatic dependent launch: at
-    # N=11008, M=128 (116 or 86 programs) the same config took 28.3-28.9 us launched plainly and
-    # 31.3-32.4 us as a dependent launch on the H200 (at M=256, 116 programs, 40.6 and 40.4). Which
-    # is faster is the tuner's to find.
-    configs += [dict(c, PDL=False) for c in configs
-                if triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]) < dispatch.SMS]
     return configs
 
 
@@ -141,14 +131,13 @@ def _acc_layout(SUB_M, BLOCK_N):
 def _worker(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
             ready, empty, turn, M, N, K,
             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-            PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, SPLIT_N: gl.constexpr, A_REGS: gl.constexpr,
-            ROLE: gl.constexpr):
+            PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, SPLIT_N: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature; ROLE says which this is: 1 the second consumer
     # warpgroup, 0 the loader.
     if ROLE == 1:
         _consume(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
                  ready, empty, turn, M, N, K,
-                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, A_REGS, 1)
+                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 1)
     else:
         _load(x_desc, w_desc, w2_desc, x_bufs, w_bufs, w2_bufs, ready, empty, M, N, K, GROUP_M, SPLIT_N)
 
@@ -190,8 +179,7 @@ def _load(x_desc, w_desc, w2_desc, x_bufs, w_bufs, w2_bufs, ready, empty, M, N, 
 def _consume(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
              ready, empty, turn, M, N, K,
              HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-             PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, SPLIT_N: gl.constexpr, A_REGS: gl.constexpr,
-             CID: gl.constexpr):
+             PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, SPLIT_N: gl.constexpr, CID: gl.constexpr):
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     N_FIRST: gl.constexpr = w_desc.block_type.shape[0]
@@ -206,7 +194,6 @@ def _consume(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs,
     dtype: gl.constexpr = y_desc.dtype
     acc_layout: gl.constexpr = _acc_layout(SUB_M, N_FIRST)
     acc2_layout: gl.constexpr = _acc_layout(SUB_M, max(SPLIT_N, 8))  # (not used without SPLIT_N)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     y_smem = y_bufs.index(CID)
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -230,8 +217,6 @@ def _consume(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs,
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             x_rows = x_bufs.index(slot).slice(FIRST_ROW, SUB_M)  # this warpgroup's rows of X
-            if A_REGS:  # one read of the X slice into registers for both of a split tile's wgmma
-                x_rows = x_rows.load(a_layout)
             acc = warpgroup_mma(x_rows, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
             # At most one slice's wgmma in flight: the previous slice's have completed, so its stage
             # is free.
@@ -294,7 +279,7 @@ def gluon_ws_kernel(
     x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, M, N, K,
     HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
     CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, SPLIT_N: gl.constexpr,
-    A_REGS: gl.constexpr, USE_PDL: gl.constexpr,
+    USE_PDL: gl.constexpr,
 ):
     if USE_PDL:  # X is the previous kernel's output: wait for it before the loader reads it
         _gdc_launch_dependents_then_wait()
@@ -325,22 +310,22 @@ def gluon_ws_kernel(
         gl.warp_specialize([
             (_consume, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
                         ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                        SPLIT_N, A_REGS, 0)),
+                        SPLIT_N, 0)),
             (_worker, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
                        ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                       SPLIT_N, A_REGS, 1)),
+                       SPLIT_N, 1)),
             (_worker, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
                        ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                       SPLIT_N, A_REGS, 0)),
+                       SPLIT_N, 0)),
         ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consume, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
                         ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                        SPLIT_N, A_REGS, 0)),
+                        SPLIT_N, 0)),
             (_worker, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
                        ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                       SPLIT_N, A_REGS, 0)),
+                       SPLIT_N, 0)),
         ], [1], [_LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -374,8 +359,7 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
            prefetch_weight=False):
     """Run on checked arguments (``kernels.selection`` calls every kernel family this way): ``x
     [M, K]``, ``weight [N, K]``, ``out [M, N]``, fp16/bf16 of one dtype, TMA-aligned, on a Hopper
-    GPU. ``config`` comes from ``candidates``. ``pdl``: launch as a programmatic dependent launch,
-    unless the config says ``PDL=False``.
+    GPU. ``config`` comes from ``candidates``. ``pdl``: launch as a programmatic dependent launch.
     ``input_precision``, ``upcast_bf16`` and ``prefetch_weight`` are taken for the signature every
     kernel family shares and not used."""
     M, K = x.shape
@@ -383,7 +367,6 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
     if x.dtype not in _TORCH_TO_GL or weight.dtype != x.dtype or out.dtype != x.dtype:
         raise TypeError(f"x, weight, out: fp16 or bf16 of one dtype, got {x.dtype}, {weight.dtype}, {out.dtype}")
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-    pdl = pdl and config.get("PDL", True)
     meta = dict(launch_pdl=True) if pdl else {}
     with torch.cuda.device(x.device):
         gluon_ws_kernel[(min(cuda_sm_count(x.device), tiles), )](
@@ -396,6 +379,5 @@ def kernel_meta(config, has_bias, activation, pdl):
     """The kernel's compile-time arguments for ``config``."""
     return dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
                 CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], EPI_SPLIT=config["EPI_SPLIT"],
-                SPLIT_N=n_parts(config["BLOCK_N"])[1], A_REGS=config.get("A_REGS", False), USE_PDL=pdl,
-                num_warps=4,
+                SPLIT_N=n_parts(config["BLOCK_N"])[1], USE_PDL=pdl, num_warps=4,
                 maxnreg=max_registers(config))
