@@ -55,6 +55,29 @@ def test_wide_tiles_are_left_out_where_they_would_idle_half_the_sms():
     assert tiles == {(128, 256), (256, 128), (128, 128)}
 
 
+def test_a_tile_width_is_a_power_of_two_plus_a_power_of_two():
+    assert [gluon_ws.n_parts(n) for n in (64, 128, 192, 256, 320)] == [(64, 0), (128, 0), (128, 64), (256, 0),
+                                                                       (256, 64)]
+    with pytest.raises(ValueError, match="BLOCK_N=224"):
+        gluon_ws.n_parts(224)
+
+
+def test_wave_efficiency_counts_idle_sms_and_columns_past_n():
+    assert gluon_ws.wave_efficiency(256, 4096, 128, 128, 64) == 1.0  # 64 tiles, one full wave
+    assert gluon_ws.wave_efficiency(256, 4096, 128, 128, 132) == pytest.approx(64 / 132)
+    # N=11008, M=256: 43 x 2 tiles of 128 x 256 in one wave of 132 SMs; 58 x 2 of 128 x 192, the
+    # last column of tiles a third full.
+    assert gluon_ws.wave_efficiency(256, 11008, 128, 256, 132) == pytest.approx(86 / 132)
+    assert gluon_ws.wave_efficiency(256, 11008, 128, 192, 132) == pytest.approx(2 * 11008 / 192 / 132)
+
+
+@pytest.mark.parametrize("M, N, offered", [(256, 11008, {128, 64}), (128, 11008, {64}), (512, 11008, {128}),
+                                           (1024, 11008, set()), (512, 4096, set()), (256, 8192, set())])
+def test_192_wide_tiles_only_where_they_fill_the_waves_better(M, N, offered):
+    configs = gluon_ws.candidates(M, N, 4096, torch.bfloat16)
+    assert {c["BLOCK_M"] for c in configs if c["BLOCK_N"] == 192} == offered
+
+
 @pytest.mark.parametrize("consumers, cap", [(1, 256), (2, 168)])
 def test_register_cap_fits_every_warp_in_one_sm(consumers, cap):
     config = dict(CONSUMERS=consumers)
@@ -175,15 +198,13 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
     from kernels._sm90 import compile_sm90
 
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
-    x_desc, w_desc, y_desc = gluon_ws.descriptors(x, w, y, config)
-    meta = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=config["STAGES"], GROUP_M=config["GROUP_M"],
-                CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], EPI_SPLIT=config["EPI_SPLIT"],
-                USE_PDL=pdl, num_warps=4, maxnreg=gluon_ws.max_registers(config))
-    return compile_sm90(gluon_ws.gluon_ws_kernel, (x_desc, w_desc, y_desc, b if has_bias else y, M, N, K), meta,
-                        source=GluonASTSource)
+    meta = gluon_ws.kernel_meta(config, has_bias, activation, pdl)
+    args = (*gluon_ws.descriptors(x, w, y, config), b if has_bias else y, M, N, K)
+    return compile_sm90(gluon_ws.gluon_ws_kernel, args, meta, source=GluonASTSource)
 
 
-@pytest.mark.parametrize("M, N, K", [(256, 11008, 4096), (512, 4096, 4096), (4096, 4096, 4096), (100, 136, 72)])
+@pytest.mark.parametrize("M, N, K", [(256, 11008, 4096), (128, 11008, 4096), (512, 4096, 4096), (4096, 4096, 4096),
+                                     (100, 136, 72)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
     from kernels._sm90 import ptxas_usage
@@ -193,7 +214,9 @@ def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
         ptx = compiled.asm["ptx"]
         where = f"M={M} N={N} K={K} {config} pdl={pdl}"
         assert "setmaxnreg" in ptx, f"{where}: no register reallocation between the partitions"
-        assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx, f"{where}: wgmma not pipelined"
+        # One k-slice's wgmma in flight while the next is issued: one group, or two for a split tile.
+        in_flight = 2 if gluon_ws.n_parts(config["BLOCK_N"])[1] else 1
+        assert f"wgmma.wait_group.sync.aligned {in_flight};" in ptx, f"{where}: wgmma not pipelined"
         assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, f"{where}: no TMA load"
         assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, f"{where}: no TMA store"
         assert ("griddepcontrol.wait" in ptx) == pdl, f"{where}: griddepcontrol.wait present={not pdl}"
@@ -226,9 +249,10 @@ def check(out, x, w, b, activation, where):
 def _cases():
     cases = []
     # Awkward sizes: tails in M, N and K, one tile, more tiles than SMs, M not a multiple of a
-    # consumer's rows, and the plan's shapes.
+    # consumer's rows, and the plan's shapes; 192-wide tiles whose last column has its second part
+    # wholly past N (5640) or partly (3400).
     for M, N, K in [(65, 136, 72), (130, 1000, 520), (300, 4096, 1000), (1000, 1000, 4096), (256, 11008, 4096),
-                    (2048, 4096, 4096), (4100, 1032, 264)]:
+                    (2048, 4096, 4096), (4100, 1032, 264), (130, 5640, 520), (300, 3400, 1000)]:
         for i, config in enumerate(gluon_ws.candidates(M, N, K, torch.bfloat16)):
             cases.append(pytest.param(M, N, K, config, id=f"{M}x{N}x{K}-{i}"))
     return cases
