@@ -78,6 +78,16 @@ def test_192_wide_tiles_only_where_they_fill_the_waves_better(M, N, offered):
     assert {c["BLOCK_M"] for c in configs if c["BLOCK_N"] == 192} == offered
 
 
+@pytest.mark.parametrize("M, N, twins", [(128, 11008, True), (256, 11008, True), (4096, 4096, False)])
+def test_configs_that_leave_sms_idle_are_also_offered_without_dependent_launch(M, N, twins):
+    configs = gluon_ws.candidates(M, N, 4096, torch.bfloat16)
+    plain = [c for c in configs if "PDL" not in c]
+    without = [c for c in configs if c.get("PDL") is False]
+    idle = [c for c in plain if -(-M // c["BLOCK_M"]) * -(-N // c["BLOCK_N"]) < 132]
+    assert [dict(c, PDL=False) for c in idle] == without
+    assert bool(without) == twins
+
+
 @pytest.mark.parametrize("consumers, cap", [(1, 256), (2, 168)])
 def test_register_cap_fits_every_warp_in_one_sm(consumers, cap):
     config = dict(CONSUMERS=consumers)
@@ -210,6 +220,8 @@ def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
     from kernels._sm90 import ptxas_usage
 
     for config in gluon_ws.candidates(M, N, K, torch.bfloat16):
+        if config.get("PDL") is False:
+            continue  # the same kernel as its twin's without pdl
         compiled = _compile(M, N, K, config, pdl)
         ptx = compiled.asm["ptx"]
         where = f"M={M} N={N} K={K} {config} pdl={pdl}"
