@@ -2,7 +2,7 @@
 # One pass over everything that needs the GPU: GPU tests, kernel and model benchmarks, and an
 # end-to-end server check. Run on the GPU host from the repository root:
 #   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma
-#                                         e2e model kernels-small kernels-full load sweep gluon-sweep mlp-sweep
+#                                         e2e model kernels-small kernels-full load sweep gluon-sweep mlp-sweep ncu
 #                                         profile fp32 host ab ws-sweep pack
 # ws-sweep: every config of the warp-specialized Gluon kernel next to the TMA kernel's at WS_SHAPES
 # (MxNxK,...; default the shapes where the TMA kernel trails cuBLASLt), ws_sweep_h200.jsonl.
@@ -20,6 +20,9 @@
 # each side with its own tune cache; bench/ab.py then compares them against the peers' drift
 # (AB_NAME_A and AB_NAME_B, e.g. main and the branch, name the two in ab.json). Results go to
 # $OUT/ab, or $OUT/ab_$AB_TAG, so one call can compare at several sets of shapes.
+# ncu: Nsight Compute's counters (--set full, one launch each, CSV) for NCU_RUNS (default
+# "gluon_ws:6 triton_tma_persistent:1": kernel and candidate number, bench/ncu_kernel.py --list) at
+# NCU_SHAPE (default 256x11008x4096), into $OUT/ncu_KERNEL_PICK.csv.
 # pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -94,6 +97,17 @@ PY
     echo "--- server log (tail)"; tail -n 40 /tmp/fusedserve-e2e.log
 }
 
+ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NCU_RUNS kernel:pick at NCU_SHAPE
+    local spec name pick
+    for spec in ${NCU_RUNS:-gluon_ws:6 triton_tma_persistent:1}; do
+        name=${spec%%:*}; pick=${spec##*:}
+        stage "ncu-$name-$pick" 240 bash -c "ncu --clock-control none --set full --csv --page details \
+            -k 'regex:gluon_ws_kernel|_tma_persistent_kernel|_small_m_kernel|_gemv_kernel' \
+            --launch-skip 2 --launch-count 1 python3 bench/ncu_kernel.py --kernel $name --pick $pick \
+            --shape ${NCU_SHAPE:-256x11008x4096} > '$out/ncu_${name}_$pick.csv'; rc=\$?; tail -n 3 '$out/ncu_${name}_$pick.csv'; exit \$rc"
+    done
+}
+
 ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits both sides alike
     [ -d "${AB_DIR:-}" ] || { echo "ab: AB_DIR must name the other checkout"; return 1; }
     local dir b_dir b_path files_a=() files_b=()
@@ -148,8 +162,9 @@ for s in "${stages[@]}"; do
             FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag h200_tf32x3 --out '$out'" ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
         ab) ab ;;
+        ncu) ncu_stage ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
-        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab ws-sweep pack)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab ws-sweep ncu pack)" | tee -a "$log" ;;
     esac
 done
