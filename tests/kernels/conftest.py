@@ -11,3 +11,47 @@ def make(M, N, K, dtype, seed=0, device="cuda"):
     w = (torch.randn(N, K, device=device, generator=g) / K**0.5).to(dtype)
     b = torch.randn(N, device=device, generator=g).to(dtype)
     return x, w, b
+
+
+# Three layers of awkward widths: the input, then each layer's output size.
+CHAIN_WIDTHS = (1536, 1000, 2048, 520)
+
+
+def check_layers_in_cuda_graph(M, layer, tol):
+    """Run a chain of three bf16 layers (``CHAIN_WIDTHS``, ReLU between them) captured back to
+    back in one CUDA graph, and replay it three times on new inputs with every layer's output
+    NaN-poisoned first. ``layer(i, h, w, b, activation)`` runs layer ``i`` and returns its output.
+    On sm_90 the layers are programmatic dependent launches that may start before the previous one
+    ends, so a layer that read its input before waiting sees the poison or the previous replay's
+    values. Each replay's last output must be within ``tol(largest reference value)`` of torch's
+    own bf16 layers (which round each layer too)."""
+    g = torch.Generator(device="cuda").manual_seed(M)
+    ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+          for k, n in zip(CHAIN_WIDTHS, CHAIN_WIDTHS[1:])]
+    bs = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in CHAIN_WIDTHS[1:]]
+    x = torch.randn(M, CHAIN_WIDTHS[0], device="cuda", generator=g).to(torch.bfloat16)
+
+    def chain(layer_fn):
+        outs, h = [], x
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            h = layer_fn(i, h, w, b, "relu" if i < len(ws) - 1 else "none")
+            outs.append(h)
+        return outs
+
+    def reference(i, h, w, b, activation):
+        y = torch.nn.functional.linear(h, w, b)
+        return torch.relu(y) if activation == "relu" else y
+
+    chain(layer)  # compile and tune every layer outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(layer)
+    for replay in range(3):
+        x.copy_(torch.randn(M, CHAIN_WIDTHS[0], device="cuda", generator=g).to(torch.bfloat16))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        ref = chain(reference)[-1].float()
+        err = (outs[-1].float() - ref).abs().max().item()
+        assert err <= tol(ref.abs().max().item()), f"M={M} replay {replay}: max error {err}"

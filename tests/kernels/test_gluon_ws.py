@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernels import gluon_ws
 
-from .conftest import make
+from .conftest import CHAIN_WIDTHS, check_layers_in_cuda_graph, make
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 SM90_SMEM_BYTES = 227 * 1024  # per block, with the opt-in carve-out
@@ -288,42 +288,17 @@ def test_every_candidate_matches_float64(M, N, K, config):
 @pytest.mark.parametrize("M", [100, 512, 3000])
 @pytest.mark.parametrize("schedule", ["one consumer", "ping-pong", "cooperative"])
 def test_dependent_launches_in_a_cuda_graph(M, schedule):
-    # Three layers in one CUDA graph, each a programmatic dependent launch: a loader that read X
-    # before the previous layer finished would see the NaN poison or the previous replay's values.
-    widths = (1536, 1000, 2048, 520)
-    g = torch.Generator(device="cuda").manual_seed(M)
-    ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
-          for k, n in zip(widths, widths[1:])]
-    bs = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in widths[1:]]
-    x = torch.randn(M, widths[0], device="cuda", generator=g).to(torch.bfloat16)
-    outs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in widths[1:]]
+    # A loader that read X before the previous layer finished would see the NaN poison or the
+    # previous replay's values.
+    outs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in CHAIN_WIDTHS[1:]]
+
     def pick(configs):  # the 128 x 128 config of this schedule
         square = [c for c in configs if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 128)]
         return next(c for c in square if {"one consumer": c["CONSUMERS"] == 1, "ping-pong": c["PINGPONG"],
                                           "cooperative": c["CONSUMERS"] == 2 and not c["PINGPONG"]}[schedule])
 
-    configs = [pick(gluon_ws.candidates(M, n, k, torch.bfloat16)) for k, n in zip(widths, widths[1:])]
-
-    def chain():
-        h = x
-        for i, (w, b, out, config) in enumerate(zip(ws, bs, outs, configs)):
-            h = gluon_ws.launch(h, w, b, "relu" if i < len(ws) - 1 else "none", out, config, pdl=True)
-        return h
-
-    chain()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    for _ in range(3):
-        x.copy_(torch.randn(M, widths[0], device="cuda", generator=g).to(torch.bfloat16))
-        for out in outs:
-            out.fill_(float("nan"))
-        graph.replay()
-        h = x
-        for i, (w, b) in enumerate(zip(ws, bs)):
-            h = F.linear(h, w, b)
-            h = torch.relu(h) if i < len(ws) - 1 else h
-        # Three bf16 layers: a few bf16 roundings of the largest value (torch rounds each layer too).
-        err = (outs[-1].float() - h.float()).abs().max().item()
-        assert err <= 8 * 2**-8 * max(h.abs().max().item(), 1.0), f"M={M}: max error {err}"
+    configs = [pick(gluon_ws.candidates(M, n, k, torch.bfloat16)) for k, n in zip(CHAIN_WIDTHS, CHAIN_WIDTHS[1:])]
+    # Three bf16 layers: a few bf16 roundings of the largest value.
+    check_layers_in_cuda_graph(
+        M, lambda i, h, w, b, act: gluon_ws.launch(h, w, b, act, outs[i], configs[i], pdl=True),
+        tol=lambda largest: 8 * 2**-8 * max(largest, 1.0))
