@@ -13,16 +13,18 @@
 # the runs, bench/kernels.py --merge). tests-tma: the GPU tests of the TMA persistent kernel only.
 # host: eager fused_linear's host time per call against torch's, and a cProfile of it
 # (bench/host_overhead.py).
-# tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases).
+# tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases) and the
+# warp-specialized kernel's tests (tests-gluon-ws), so it ends inside its time limit.
 # ab: version A (this checkout) against version B (a checkout of another branch at $AB_DIR, e.g.
 # `git archive BRANCH | tar -x -C exp`), bench/kernels.py run A, B, A, B ($AB_ROUNDS rounds,
 # default 2) at KERNELS_MS (default 1,4,16,64) x KERNELS_NK (default 4096x4096) x AB_DTYPES (default bfloat16),
 # each side with its own tune cache; bench/ab.py then compares them against the peers' drift
 # (AB_NAME_A and AB_NAME_B, e.g. main and the branch, name the two in ab.json). Results go to
 # $OUT/ab, or $OUT/ab_$AB_TAG, so one call can compare at several sets of shapes.
-# ncu: Nsight Compute's counters (--set full, one launch each, CSV) for NCU_RUNS (default
-# "gluon_ws:6 triton_tma_persistent:1": kernel and candidate number, bench/ncu_kernel.py --list) at
-# NCU_SHAPE (default 256x11008x4096), into $OUT/ncu_KERNEL_PICK.csv.
+# ncu: Nsight Compute's counters (--set full, every raw metric, one launch each, CSV) for NCU_RUNS
+# (default "gluon_ws:6 triton_tma_persistent:1 cublaslt:0": kernel and candidate number,
+# bench/ncu_kernel.py --list; cublaslt is the peer) at each of NCU_SHAPES (default 256x11008x4096),
+# into $OUT/ncu_KERNEL_PICK_SHAPE.csv.
 # pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -97,14 +99,16 @@ PY
     echo "--- server log (tail)"; tail -n 40 /tmp/fusedserve-e2e.log
 }
 
-ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NCU_RUNS kernel:pick at NCU_SHAPE
-    local spec name pick
-    for spec in ${NCU_RUNS:-gluon_ws:6 triton_tma_persistent:1}; do
-        name=${spec%%:*}; pick=${spec##*:}
-        stage "ncu-$name-$pick" 240 bash -c "ncu --clock-control none --set full --csv --page details \
-            -k 'regex:gluon_ws_kernel|_tma_persistent_kernel|_small_m_kernel|_gemv_kernel' \
-            --launch-skip 2 --launch-count 1 python3 bench/ncu_kernel.py --kernel $name --pick $pick \
-            --shape ${NCU_SHAPE:-256x11008x4096} > '$out/ncu_${name}_$pick.csv'; rc=\$?; tail -n 3 '$out/ncu_${name}_$pick.csv'; exit \$rc"
+ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NCU_RUNS kernel:pick at NCU_SHAPES
+    local spec name pick shape csv
+    for shape in ${NCU_SHAPES:-256x11008x4096}; do
+        for spec in ${NCU_RUNS:-gluon_ws:6 triton_tma_persistent:1 cublaslt:0}; do
+            name=${spec%%:*}; pick=${spec##*:}; csv="$out/ncu_${name}_${pick}_$shape.csv"
+            stage "ncu-$name-$pick-$shape" 240 bash -c "ncu --clock-control none --set full --csv --page raw \
+                -k 'regex:gluon_ws_kernel|_tma_persistent_kernel|_small_m_kernel|_gemv_kernel|nvjet|xmma|gemm' \
+                --launch-skip 2 --launch-count 1 python3 bench/ncu_kernel.py --kernel $name --pick $pick \
+                --shape $shape > '$csv'; rc=\$?; python3 bench/ncu_summary.py '$csv'; exit \$rc"
+        done
     done
 }
 
@@ -132,8 +136,8 @@ for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
         tests) stage tests 420 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header -p no:cacheprovider ;;
-        tests-quick) stage tests-quick 330 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
-            -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py ;;
+        tests-quick) stage tests-quick 360 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
+            -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py --ignore=tests/kernels/test_gluon_ws.py ;;
         tests-gluon-small) stage tests-gluon-small 300 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
             -p no:cacheprovider tests/kernels/test_gluon_small_m.py tests/kernels/test_fused_linear_gpu.py ;;
         tests-gluon-ws) stage tests-gluon-ws 240 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \

@@ -11,7 +11,9 @@ by hand, on a CUDA GPU from the repository root:
 
 Without ``--config`` it takes the first of the kernel's candidates at that shape (``--list``
 prints them, numbered; ``--pick N`` takes the N-th). The launches are plain (no programmatic
-dependent launch) and each checks nothing: the GPU tests own correctness.
+dependent launch) and each checks nothing: the GPU tests own correctness. ``--kernel cublaslt``
+launches the peer instead, ``torch._addmm_activation`` (cuBLASLt's fused RELU_BIAS epilogue), whose
+kernel name, grid and counters say how cuBLAS tiles the same shape.
 """
 
 import argparse
@@ -27,6 +29,7 @@ from kernels.common import dot_precision  # noqa: E402
 from kernels.selection import launcher  # noqa: E402
 
 KERNELS = (dispatch.GLUON_WS, dispatch.TMA_PERSISTENT, dispatch.GLUON_SMALL_M, dispatch.SMALL_M)
+PEER = "cublaslt"
 
 
 def _shape(text):
@@ -54,7 +57,7 @@ def choose(module, M, N, K, dtype, config_json=None, pick=0):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=KERNELS, required=True)
+    parser.add_argument("--kernel", choices=KERNELS + (PEER,), required=True)
     parser.add_argument("--shape", type=_shape, required=True, help="MxNxK")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--config", help="the config as a JSON object (default: a candidate, --pick)")
@@ -64,15 +67,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     M, N, K = args.shape
     dtype = getattr(torch, args.dtype)
-    module = launcher(args.kernel)
+    if args.kernel == PEER:
+        if args.list or args.config is not None:
+            parser.error(f"--kernel {PEER} has no configs: cuBLASLt picks its own")
+        module = config = None
+    else:
+        module = launcher(args.kernel)
     if args.list:
         for i, config in enumerate(module.candidates(M, N, K, dtype)):
             print(i, json.dumps(config))
         return 0
-    try:
-        config = choose(module, M, N, K, dtype, args.config, args.pick)
-    except ValueError as e:
-        parser.error(str(e))
+    if module is not None:
+        try:
+            config = choose(module, M, N, K, dtype, args.config, args.pick)
+        except ValueError as e:
+            parser.error(str(e))
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -81,7 +90,10 @@ def main(argv=None):
     b = torch.randn(N, device="cuda", generator=g).to(dtype)
     out = torch.empty(M, N, device="cuda", dtype=dtype)
     for _ in range(args.launches):
-        module.launch(x, w, b, "relu", out, config, input_precision=dot_precision(dtype), upcast_bf16=False)
+        if module is None:
+            torch._addmm_activation(b, x, w.t(), use_gelu=False)
+        else:
+            module.launch(x, w, b, "relu", out, config, input_precision=dot_precision(dtype), upcast_bf16=False)
     torch.cuda.synchronize()
     print(f"{args.launches} launches of {args.kernel} at {M}x{N}x{K} {args.dtype}: {json.dumps(config)}")
     return 0
