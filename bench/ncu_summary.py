@@ -5,26 +5,30 @@ prints, per profiled launch: the kernel's name (cuBLAS encodes its tile and clus
 grid and block, time, and every metric whose name matches one of the patterns (default: tensor-pipe
 activity, shared-memory traffic, SM and DRAM throughput, and the warp stall reasons, largest first).
 
-    python bench/ncu_summary.py ncu_gluon_ws_6_256x11008x4096.csv [--match REGEX ...]
+    python bench/ncu_summary.py ncu_gluon_ws_6_256x11008x4096.csv [--match REGEX ...] [--json OUT]
+
+``--json`` also writes the same selection as one JSON list (file, launch, metrics, stalls), small
+enough to commit next to the benchmarks (the raw files are ~160 KB each).
 """
 
 import argparse
 import csv
+import json
 import re
 import sys
+from pathlib import Path
 
 ALWAYS = ("Kernel Name", "launch__grid_size", "launch__block_size", "launch__registers_per_thread",
           "launch__shared_mem_per_block_dynamic", "gpu__time_duration.sum")
 PATTERNS = (
-    r"^sm__pipe_tensor.*pct_of_peak_sustained_(active|elapsed)$",
-    r"^sm__inst_executed_pipe_tensor.*\.sum$",
+    r"^sm__pipe_tensor_op_hmma_cycles_active\.avg\.pct_of_peak_sustained_(active|elapsed)$",
     r"^sm__throughput\.avg\.pct_of_peak_sustained_elapsed$",
-    r"^gpu__compute_memory_throughput\.avg\.pct_of_peak_sustained_elapsed$",
     r"^dram__throughput\.avg\.pct_of_peak_sustained_elapsed$",
     r"^dram__bytes_read\.sum$",
     r"^lts__t_sector_hit_rate\.pct$",
-    r"^l1tex__data_pipe_lsu_wavefronts_mem_shared.*\.sum$",
-    r"^l1tex__data_bank_conflicts_pipe_lsu_mem_shared.*\.sum$",
+    r"^l1tex__data_pipe_lsu_wavefronts_mem_shared\.sum(\.pct_of_peak_sustained_elapsed)?$",
+    r"^l1tex__data_bank_(reads|writes)\.avg\.pct_of_peak_sustained_elapsed$",
+    r"^l1tex__data_bank_conflicts_pipe_lsu_mem_shared\.sum$",
     r"^sm__cycles_active\.avg$",
     r"^gpc__cycles_elapsed\.max$",
 )
@@ -43,16 +47,12 @@ def read(path):
 
 
 def summarize(row, patterns):
-    out = []
-    for name in ALWAYS:
-        if name in row:
-            value, unit = row[name]
-            out.append(f"{name:64s} {value} {unit}".rstrip())
+    """(metrics, stalls): the ALWAYS fields and every metric matching a pattern, name -> "value unit";
+    the warp stall reasons per issued instruction, largest first."""
     compiled = [re.compile(p) for p in patterns]
-    for name in sorted(row):
-        if name not in ALWAYS and any(p.search(name) for p in compiled):
-            value, unit = row[name]
-            out.append(f"{name:64s} {value} {unit}".rstrip())
+    names = [n for n in ALWAYS if n in row]
+    names += [n for n in sorted(row) if n not in ALWAYS and any(p.search(n) for p in compiled)]
+    metrics = {n: " ".join(v for v in row[n] if v) for n in names}
     stalls = []
     for name, (value, _) in row.items():
         m = STALL.match(name)
@@ -62,17 +62,24 @@ def summarize(row, patterns):
             except ValueError:
                 continue
     stalls.sort(reverse=True)
+    return metrics, {n: v for v, n in stalls}
+
+
+def _text(metrics, stalls):
+    lines = [f"{name:64s} {value}".rstrip() for name, value in metrics.items()]
     if stalls:
-        out.append("stalls per issued instruction: " + ", ".join(f"{n} {v:.2f}" for v, n in stalls[:8]))
-    return out
+        top = list(stalls.items())[:8]
+        lines.append("stalls per issued instruction: " + ", ".join(f"{n} {v:.2f}" for n, v in top))
+    return lines
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", nargs="+")
     parser.add_argument("--match", action="append", help="a regex over metric names (replaces the defaults)")
+    parser.add_argument("--json", type=Path, help="also write the selection here as JSON")
     args = parser.parse_args(argv)
-    status = 0
+    status, records = 0, []
     for path in args.csv:
         try:
             rows = read(path)
@@ -81,8 +88,12 @@ def main(argv=None):
             status = 1
             continue
         for i, row in enumerate(rows):
+            metrics, stalls = summarize(row, args.match or PATTERNS)
             print(f"--- {path} launch {i}")
-            print("\n".join(summarize(row, args.match or PATTERNS)))
+            print("\n".join(_text(metrics, stalls)))
+            records.append({"file": Path(path).name, "launch": i, "metrics": metrics, "stalls": stalls})
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
     return status
 
 

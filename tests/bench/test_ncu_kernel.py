@@ -2,6 +2,7 @@
 shape (CPU; the launches themselves need a GPU)."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_the_peer_has_no_configs_to_list():
 def _raw_csv(path, rows):
     """A file shaped like ``ncu --csv --page raw``: ncu's log lines, names, units, one row per launch."""
     names = ["ID", "Kernel Name", "launch__grid_size", "gpu__time_duration.sum",
-             "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+             "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "unrelated__metric.sum"]
     units = ["", "", "", "ns", "%", "ratio", "ratio", ""]
@@ -77,3 +78,17 @@ def test_summary_of_a_file_without_a_kernel_fails(tmp_path, capsys):
     path.write_text("==PROF== Disconnected\n")
     assert ncu_summary.main([str(path)]) == 1
     assert "no profiled kernel" in capsys.readouterr().err
+
+
+def test_summary_json_holds_the_same_selection(tmp_path):
+    from bench import ncu_summary
+
+    path = tmp_path / "ncu.csv"
+    _raw_csv(path, [["0", "gluon_ws_kernel", "116", "40,192", "78.3", "1.5", "7.3", "7"],
+                    ["1", "gluon_ws_kernel", "116", "40,100", "78.4", "1.4", "7.2", "7"]])
+    out = tmp_path / "ncu.json"
+    assert ncu_summary.main([str(path), "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["launch"] for r in records] == [0, 1]
+    assert records[0]["metrics"]["gpu__time_duration.sum"] == "40,192 ns"
+    assert list(records[0]["stalls"]) == ["barrier", "wait"]
