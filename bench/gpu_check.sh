@@ -6,9 +6,10 @@
 #                                         profile fp32 host ab ws-sweep pack
 # ws-sweep: every config of the warp-specialized Gluon kernel next to the TMA kernel's at WS_SHAPES
 # (MxNxK,...; default the shapes where the TMA kernel trails cuBLASLt), ws_sweep_h200.jsonl.
-# kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16, no
-# torch.compile (kernels_h200_small.json). kernels-full: the whole plan, ~20 min on an H200, so
-# KERNELS_NK="8192x8192" runs it at those N x K only (kernels_h200_8192x8192.json).
+# kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16
+# (KERNELS_DTYPES="bfloat16,float16" reverses the order), no torch.compile (kernels_h200_small.json).
+# kernels-full: the whole plan, ~20 min on an H200, so KERNELS_NK="8192x8192" runs it at those
+# N x K only (kernels_h200_8192x8192.json).
 # kernels: the quick plan (kernels_h200_quick.json: bench/results/kernels_h200.json is the merge of
 # the runs, bench/kernels.py --merge). tests-tma: the GPU tests of the TMA persistent kernel only.
 # host: eager fused_linear's host time per call against torch's, and a cProfile of it
@@ -148,7 +149,7 @@ for s in "${stages[@]}"; do
         tests-tma) stage tests-tma 200 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header -p no:cacheprovider \
             tests/kernels/test_fused_linear_gpu.py tests/kernels/test_fused_linear.py -k "tma" ;;
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
-            --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes float16,bfloat16 --tag h200_small --out "$out" ;;
+            --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" --tag h200_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag h200_quick --out "$out" ;;
