@@ -1,6 +1,11 @@
 """Helpers shared by the kernel tests."""
 
 import torch
+import torch.nn.functional as F
+
+# The epilogues' activations as torch computes them (GELU in its tanh form, as the kernels do).
+ACTIVATIONS = {"none": lambda y: y, "relu": torch.relu, "gelu": lambda y: F.gelu(y, approximate="tanh"),
+               "silu": F.silu}
 
 
 def make(M, N, K, dtype, seed=0, device="cuda"):
@@ -11,6 +16,25 @@ def make(M, N, K, dtype, seed=0, device="cuda"):
     w = (torch.randn(N, K, device=device, generator=g) / K**0.5).to(dtype)
     b = torch.randn(N, device=device, generator=g).to(dtype)
     return x, w, b
+
+
+def check_against_float64(out, x, w, b, activation, where):
+    """``out`` (a kernel's ``act(x @ w^T + b)``, NaN-poisoned before the launch) against float64:
+    every element written, and the largest error within twice torch's own for the same dtype (the
+    two sum K in different orders) plus one output ulp of the largest value, for shapes where torch
+    happens to round every element exactly. A failure names the worst element."""
+    act = ACTIVATIONS[activation]
+    ref = act(x.double() @ w.double().T + (b.double() if b is not None else 0))
+    nan_at = torch.isnan(out).nonzero()
+    assert nan_at.numel() == 0, f"{where}: {nan_at.shape[0]} outputs never written, first at {nan_at[0].tolist()}"
+    err = (out.double() - ref).abs()
+    theirs = (act(F.linear(x, w, b)).double() - ref).abs().max().item()
+    tol = 2 * theirs + torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
+    worst = err.max().item()
+    if worst > tol:
+        i, j = divmod(int(err.argmax()), out.shape[1])
+        raise AssertionError(f"{where}: max error {worst:.3g} > tol {tol:.3g} (torch's {theirs:.3g}) at "
+                             f"[{i}, {j}]: got {out[i, j].item()}, want {ref[i, j].item()}")
 
 
 # Three layers of awkward widths: the input, then each layer's output size.

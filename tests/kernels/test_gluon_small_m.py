@@ -7,23 +7,14 @@ shared memory and registers are checked; the numbers are checked only on a Hoppe
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import gluon_small_m
 
-from .conftest import CHAIN_WIDTHS, check_layers_in_cuda_graph, make
+from .conftest import CHAIN_WIDTHS, check_against_float64, check_layers_in_cuda_graph, make
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 # Shared memory per block on sm_90 with the opt-in carve-out.
 SM90_SMEM_BYTES = 227 * 1024
-
-
-def reference(x, weight, bias, activation):
-    """act(x @ weight^T + bias) in float64."""
-    y = x.double() @ weight.double().T
-    if bias is not None:
-        y = y + bias.double()
-    return torch.relu(y) if activation == "relu" else y
 
 
 # ---------------------------------------------------------------- host-side rules (CPU, CI)
@@ -137,24 +128,6 @@ def test_weight_prefetch_is_issued_before_the_wait(M, N, K):
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
 
-def check(out, x, w, b, activation, where):
-    ref = reference(x, w, b, activation)
-    nan_at = torch.isnan(out).nonzero()
-    assert nan_at.numel() == 0, f"{where}: {nan_at.shape[0]} outputs never written, first at {nan_at[0].tolist()}"
-    err = (out.double() - ref).abs()
-    torch_out = F.linear(x, w, b)
-    torch_out = torch.relu(torch_out) if activation == "relu" else torch_out
-    theirs = (torch_out.double() - ref).abs().max().item()
-    # Twice torch's own error (the two sum K in different orders), plus one output ulp of the
-    # largest value for shapes where torch happens to round every element exactly.
-    tol = 2 * theirs + torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
-    worst = err.max().item()
-    if worst > tol:
-        i, j = divmod(int(err.argmax()), out.shape[1])
-        raise AssertionError(f"{where}: max error {worst:.3g} > tol {tol:.3g} (torch's {theirs:.3g}) at "
-                             f"[{i}, {j}]: got {out[i, j].item()}, want {ref[i, j].item()}")
-
-
 def _cases():
     cases = []
     for M, N, K in [(1, 4096, 4096), (3, 1000, 136), (9, 136, 1000), (16, 11008, 4096), (17, 1000, 520),
@@ -174,7 +147,7 @@ def test_every_candidate_matches_float64(M, N, K, config):
         b = b if bias else None
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         gluon_small_m.launch(x, w, b, activation, out, config)
-        check(out, x, w, b, activation, f"{config} {dtype} bias={bias} {activation}")
+        check_against_float64(out, x, w, b, activation, f"{config} {dtype} bias={bias} {activation}")
 
 
 @pytest.mark.gpu
@@ -187,7 +160,7 @@ def test_split_k_is_deterministic(M, block_m):
     for _ in range(4):
         out = torch.full((M, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
         outs.append(gluon_small_m.launch(x, w, b, "relu", out, config))
-    check(outs[0], x, w, b, "relu", f"{config} M={M}")
+    check_against_float64(outs[0], x, w, b, "relu", f"{config} M={M}")
     for i, out in enumerate(outs[1:], 1):
         assert torch.equal(out, outs[0]), f"run {i} differs from run 0 (split-K order not fixed)"
 

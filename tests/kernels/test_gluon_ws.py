@@ -7,16 +7,13 @@ PTX, shared memory and registers are checked.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import gluon_ws
 
-from .conftest import CHAIN_WIDTHS, check_layers_in_cuda_graph, make
+from .conftest import CHAIN_WIDTHS, check_against_float64, check_layers_in_cuda_graph, make
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 SM90_SMEM_BYTES = 227 * 1024  # per block, with the opt-in carve-out
-ACTIVATIONS = {"none": lambda y: y, "relu": torch.relu, "gelu": lambda y: F.gelu(y, approximate="tanh"),
-               "silu": F.silu}
 
 
 # ---------------------------------------------------------------- configs (CPU, CI)
@@ -246,18 +243,6 @@ def test_other_epilogues_compile_for_sm90(activation):
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
 
-def check(out, x, w, b, activation, where):
-    act = ACTIVATIONS[activation]
-    ref = act(x.double() @ w.double().T + (b.double() if b is not None else 0))
-    nan_at = torch.isnan(out).nonzero()
-    assert nan_at.numel() == 0, f"{where}: {nan_at.shape[0]} outputs never written, first at {nan_at[0].tolist()}"
-    theirs = (act(F.linear(x, w, b)).double() - ref).abs().max().item()
-    # Twice torch's own error (the two sum K in different orders), plus one output ulp of the largest value.
-    tol = 2 * theirs + torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
-    worst = (out.double() - ref).abs().max().item()
-    assert worst <= tol, f"{where}: max error {worst:.3g} > tol {tol:.3g} (torch's {theirs:.3g})"
-
-
 def _cases():
     cases = []
     # Awkward sizes: tails in M, N and K, one tile, more tiles than SMs, M not a multiple of a
@@ -280,7 +265,7 @@ def test_every_candidate_matches_float64(M, N, K, config):
         b = b if bias else None
         out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
         gluon_ws.launch(x, w, b, activation, out, config)
-        check(out, x, w, b, activation, f"{config} {dtype} bias={bias} {activation}")
+        check_against_float64(out, x, w, b, activation, f"{config} {dtype} bias={bias} {activation}")
 
 
 @pytest.mark.gpu
