@@ -22,6 +22,10 @@ MID_M_MAX = 512
 # side) is at most 128 rows, so past 128 the batch is split over programs. Past 256 the layer is
 # compute-bound and the persistent tiled kernels, with 128-row tiles on both sides, are left to it.
 GLUON_SMALL_M_MAX = 256
+# Past this many rows the warp-specialized Gluon kernel competes too; up to SMALL_M_MAX only with
+# 64-row tiles, for wide layers where the weight-streaming kernels' 64-row W tiles leave the last
+# wave of SMs part-empty (N=11008: 172 tiles on 132 SMs; 115 of 64 x 96).
+GLUON_WS_MIN_M = 32
 # The SM count the candidate rules are written for (an H200's): which splits of the work fill one wave.
 SMS = 132
 # Autotune keys bucket M up to this; larger batches share the biggest bucket's choice.
@@ -52,7 +56,7 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
       3. Hopper, fp16/bf16, ``tma_aligned`` and ``gluon_ok``: ``gluon_wgmma`` is added (any M), and
          ``gluon_small_m`` (swap-AB weight streaming through TMA) when ``M <= GLUON_SMALL_M_MAX``,
          and ``gluon_ws`` (warp-specialized: a loader warp and one or two MMA warpgroups) when
-         ``M > SMALL_M_MAX``.
+         ``M > GLUON_WS_MIN_M``.
     """
     hopper_16bit = capability is not None and capability[0] == 9 and dtype in (torch.float16, torch.bfloat16)
     if M <= SMALL_M_MAX:
@@ -67,6 +71,6 @@ def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False
         if M <= GLUON_SMALL_M_MAX:
             kernels.append(GLUON_SMALL_M)
         kernels.append(GLUON)
-        if M > SMALL_M_MAX:
+        if M > GLUON_WS_MIN_M:
             kernels.append(GLUON_WS)
     return tuple(kernels)

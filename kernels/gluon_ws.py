@@ -63,7 +63,7 @@ def _tiles():
     power of two (192) is computed as two (``n_parts``)."""
     return ((128, 256, 64, 2, False, 2), (128, 256, 64, 2, False, 1), (256, 128, 64, 2, False, 1),
             (128, 128, 64, 2, True, 1), (128, 128, 64, 2, False, 1), (128, 128, 64, 1, False, 1),
-            (128, 192, 64, 2, False, 1), (64, 192, 64, 1, False, 1))
+            (128, 192, 64, 2, False, 1), (64, 192, 64, 1, False, 1), (64, 96, 64, 1, False, 1))
 
 
 def n_parts(block_n):
@@ -105,6 +105,8 @@ def candidates(M, N, K, dtype):
     128 x 256, 65%, and 172 of 128 x 128, two waves 65% full)."""
     configs = []
     for bm, bn, bk, consumers, pingpong, epi_split in _tiles():
+        if M <= dispatch.SMALL_M_MAX and bm > 64:
+            continue  # (a few rows: only tiles of 64 rows, next to the weight-streaming kernels)
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         if tiles < dispatch.SMS // 2 and (bm, bn) != (128, 128):
             continue

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernels import autotune_cache
-from kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, GLUON_WS, MID_M_MAX, SMALL_M, SMALL_M_MAX, TILED,
-                              TMA_PERSISTENT, candidate_kernels, m_bucket)
+from kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, GLUON_WS, GLUON_WS_MIN_M, MID_M_MAX, SMALL_M,
+                              SMALL_M_MAX, TILED, TMA_PERSISTENT, candidate_kernels, m_bucket)
 
 HOPPER = (9, 0)
 AMPERE = (8, 0)
@@ -49,9 +49,10 @@ def test_gluon_competes_where_it_accepts_the_shape(M):
 
 @pytest.mark.parametrize("M", [1, 3, 16, 17, SMALL_M_MAX])
 def test_gluon_weight_streaming_competes_at_small_batches_on_hopper(M):
-    # The Triton kernel stays the default (first); the Gluon one is timed against it.
-    assert kernels_for(M, gluon_ok=True) == (SMALL_M, GLUON_SMALL_M, GLUON)
-    assert kernels_for(M, torch.float16, gluon_ok=True) == (SMALL_M, GLUON_SMALL_M, GLUON)
+    # The Triton kernel stays the default (first); the Gluon ones are timed against it.
+    ws = (GLUON_WS, ) if M > GLUON_WS_MIN_M else ()
+    assert kernels_for(M, gluon_ok=True) == (SMALL_M, GLUON_SMALL_M, GLUON) + ws
+    assert kernels_for(M, torch.float16, gluon_ok=True) == (SMALL_M, GLUON_SMALL_M, GLUON) + ws
     assert GLUON_SMALL_M not in kernels_for(M, torch.float32, gluon_ok=True)
     assert GLUON_SMALL_M not in kernels_for(M, gluon_ok=True, tma_aligned=False)
     assert GLUON_SMALL_M not in kernels_for(M, capability=AMPERE, gluon_ok=True)
@@ -59,11 +60,11 @@ def test_gluon_weight_streaming_competes_at_small_batches_on_hopper(M):
     assert GLUON_SMALL_M not in kernels_for(GLUON_SMALL_M_MAX + 1, gluon_ok=True)
 
 
-@pytest.mark.parametrize("M", [SMALL_M_MAX + 1, 256, 4096])
+@pytest.mark.parametrize("M", [GLUON_WS_MIN_M + 1, SMALL_M_MAX, SMALL_M_MAX + 1, 256, 4096])
 def test_warp_specialized_gluon_competes_past_small_batches_on_hopper(M):
     assert kernels_for(M, gluon_ok=True)[-1] == GLUON_WS
     assert kernels_for(M, torch.float16, gluon_ok=True)[-1] == GLUON_WS
-    assert GLUON_WS not in kernels_for(SMALL_M_MAX, gluon_ok=True)  # weight streaming's ground
+    assert GLUON_WS not in kernels_for(GLUON_WS_MIN_M, gluon_ok=True)  # weight streaming's ground
     for kwargs in (dict(gluon_ok=False), dict(dtype=torch.float32, gluon_ok=True),
                    dict(gluon_ok=True, tma_aligned=False), dict(capability=AMPERE, gluon_ok=True)):
         assert GLUON_WS not in kernels_for(M, **kwargs), kwargs

@@ -75,6 +75,14 @@ def test_192_wide_tiles_only_where_they_fill_the_waves_better(M, N, offered):
     assert {c["BLOCK_M"] for c in configs if c["BLOCK_N"] == 192} == offered
 
 
+@pytest.mark.parametrize("M, N, tiles", [(64, 11008, {(64, 96)}), (33, 8192, {(64, 96)}), (64, 4096, set()),
+                                         (128, 11008, {(64, 96), (64, 192), (128, 128), (256, 128)})])
+def test_a_few_rows_get_only_64_row_tiles_where_they_fill_the_sms(M, N, tiles):
+    # N=11008, M=64: 115 tiles of 64 x 96 (a 64- and a 32-wide accumulator) for 132 SMs, where the
+    # weight-streaming kernels' 64 W rows make 172 (1.3 waves) and 128 make 86.
+    assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in gluon_ws.candidates(M, N, 4096, torch.bfloat16)} == tiles
+
+
 @pytest.mark.parametrize("M, N, twins", [(128, 11008, True), (256, 11008, True), (4096, 4096, False)])
 def test_configs_that_leave_sms_idle_are_also_offered_without_dependent_launch(M, N, twins):
     configs = gluon_ws.candidates(M, N, 4096, torch.bfloat16)
@@ -210,8 +218,8 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
     return compile_sm90(gluon_ws.gluon_ws_kernel, args, meta, source=GluonASTSource)
 
 
-@pytest.mark.parametrize("M, N, K", [(256, 11008, 4096), (128, 11008, 4096), (512, 4096, 4096), (4096, 4096, 4096),
-                                     (100, 136, 72)])
+@pytest.mark.parametrize("M, N, K", [(256, 11008, 4096), (128, 11008, 4096), (64, 11008, 4096), (512, 4096, 4096),
+                                     (4096, 4096, 4096), (100, 136, 72)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
     from kernels._sm90 import ptxas_usage
@@ -249,7 +257,8 @@ def _cases():
     # consumer's rows, and the plan's shapes; 192-wide tiles whose last column has its second part
     # wholly past N (5640) or partly (3400).
     for M, N, K in [(65, 136, 72), (130, 1000, 520), (300, 4096, 1000), (1000, 1000, 4096), (256, 11008, 4096),
-                    (2048, 4096, 4096), (4100, 1032, 264), (130, 5640, 520), (300, 3400, 1000)]:
+                    (2048, 4096, 4096), (4100, 1032, 264), (130, 5640, 520), (300, 3400, 1000), (64, 11008, 4096),
+                    (40, 8200, 264)]:
         for i, config in enumerate(gluon_ws.candidates(M, N, K, torch.bfloat16)):
             cases.append(pytest.param(M, N, K, config, id=f"{M}x{N}x{K}-{i}"))
     return cases
