@@ -3,7 +3,7 @@
 # end-to-end server check. Run on the GPU host from the repository root:
 #   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma
 #                                         e2e model kernels-small kernels-full load sweep gluon-sweep mlp-sweep ncu
-#                                         profile fp32 host ab ws-sweep pack
+#                                         profile fp32 host ab ws-sweep tuner pack
 # ws-sweep: every config of the warp-specialized Gluon kernel next to the TMA kernel's at WS_SHAPES
 # (MxNxK,...; default the shapes where the TMA kernel trails cuBLASLt), ws_sweep_h200.jsonl.
 # kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16
@@ -26,6 +26,8 @@
 # (default "gluon_ws:6 triton_tma_persistent:1 cublaslt:0": kernel and candidate number,
 # bench/ncu_kernel.py --list; cublaslt is the peer) at each of NCU_SHAPES (default 256x11008x4096),
 # into $OUT/ncu_KERNEL_PICK_SHAPE.csv.
+# tuner: whether the tuner's pick is what bench/kernels.py times fastest, at TUNER_SHAPES (MxNxK,...)
+# in TUNER_DTYPE (default bfloat16), three tuner runs each (bench/tuner_check.py, tuner_check_h200.jsonl).
 # pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
 # MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
 # Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
@@ -166,10 +168,12 @@ for s in "${stages[@]}"; do
         fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_h200.json' &&
             FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag h200_tf32x3 --out '$out'" ;;
         sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
+        tuner) stage tuner 300 python3 bench/tuner_check.py --budget-s 220 --dtype "${TUNER_DTYPE:-bfloat16}" \
+            --shapes "${TUNER_SHAPES:-64x4096x4096,33x11008x4096,64x11008x4096,32x4096x4096}" --out "$out/tuner_check_h200.jsonl" ;;
         ab) ab ;;
         ncu) ncu_stage ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
-        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab ws-sweep ncu pack)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab ws-sweep tuner ncu pack)" | tee -a "$log" ;;
     esac
 done

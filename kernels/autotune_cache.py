@@ -28,7 +28,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 ENV_VAR = "FUSEDSERVE_TUNE_CACHE"
 # Part of the file name: bumped when candidates or the timing method change, so choices made by an
 # older tuner are not reused (their files stay, unread).
-TUNER_VERSION = 10
+TUNER_VERSION = 11
 
 
 def cache_dir():
@@ -210,6 +210,8 @@ def time_configs(candidates, run, timer=None):
     skipped with a warning naming it, so one broken candidate cannot take the layer down. If every
     candidate fails, the last error is raised.
     """
+    if not candidates:
+        raise ValueError("no candidate configs to time")
     timer = timer or default_timer()
     timings = []
     failure = None

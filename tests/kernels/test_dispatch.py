@@ -251,3 +251,32 @@ def test_time_configs_with_one_candidate_times_it_once():
     fake_ms = {"a": [1.0] * autotune_cache._FIRST_REPEATS}
     assert autotune_cache.time_configs(["a"], lambda o: o, timer=fake_timer(fake_ms))[1] == "a"
     assert fake_ms["a"] == []
+
+
+def test_time_configs_without_candidates_says_so():
+    with pytest.raises(ValueError, match="no candidate configs"):
+        autotune_cache.time_configs([], lambda o: o, timer=fake_timer({}))
+
+
+@pytest.mark.parametrize("M, stride, timed_rows", [(33, 64, 64), (1, 1, 1), (3, 100, 4), (64, 64, 64),
+                                                   (5000, 64, 5000)])
+def test_a_bucket_is_tuned_on_its_largest_batch(M, stride, timed_rows):
+    # The runner pads batches to the bucket: the choice for M=33..64 is timed at 64 rows (the
+    # first M's rows repeated, same row stride), whichever M in the bucket came first.
+    from kernels import selection
+
+    x = torch.randn(M, stride)[:, :40] if stride > 40 else torch.randn(M, 40)
+    grown = selection._bucket_rows(x)
+    assert selection.tuning_rows(M) == timed_rows == grown.shape[0] and grown.shape[1] == 40
+    assert grown is x if timed_rows == M else grown.stride() == (stride if stride > 40 else 40, 1)
+    assert torch.equal(grown[:M], x) and torch.equal(grown[M:], x.repeat(timed_rows // M + 1, 1)[M:timed_rows])
+
+
+def test_rows_with_a_short_stride_grow_into_aligned_rows():
+    # A broadcast row (stride 0) is legal input; the grown copy packs rows 16-byte aligned, as TMA needs.
+    from kernels import selection
+
+    x = torch.randn(100, dtype=torch.bfloat16).as_strided((3, 100), (0, 1))
+    grown = selection._bucket_rows(x)
+    assert grown.shape == (4, 100) and grown.stride() == (104, 1)  # 208 bytes per row
+    assert torch.equal(grown, x[:1].expand(4, 100))

@@ -296,3 +296,13 @@ def test_dependent_launches_in_a_cuda_graph(M, schedule):
     check_layers_in_cuda_graph(
         M, lambda i, h, w, b, act: gluon_ws.launch(h, w, b, act, outs[i], configs[i], pdl=True),
         tol=lambda largest: 8 * 2**-8 * max(largest, 1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
+def test_forcing_it_onto_a_shape_it_has_no_tile_for_is_a_clear_error():
+    from kernels.fused_linear import run_kernel
+
+    assert not gluon_ws.candidates(16, 4096, 4096, torch.bfloat16)  # a few rows: weight streaming's ground
+    with pytest.raises(ValueError, match="name 'gluon_ws' has no config for M=16"):
+        run_kernel("gluon_ws", *make(16, 4096, 4096, torch.bfloat16))
