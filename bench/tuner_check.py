@@ -42,7 +42,7 @@ def tuner_rounds(M, N, K, dtype, rounds, sets):
     """``rounds`` times the tuner's full timing on copies of the first set: [(pick, first-pass)]."""
     x, w, b = sets[0]
     kernels = selection.candidates(M, N, K, dtype, x.device, _tma_aligned(x, w))
-    x_timed = selection._bucket_rows(x)  # as selection.choose times a bucket: at its largest M
+    x_timed = dispatch.bucket_rows(x)  # as selection.choose times a bucket: at its largest M
     options = selection.options(kernels, x_timed.shape[0], N, K, dtype)
     results = []
     for _ in range(rounds):

@@ -102,7 +102,7 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
         raise ValueError(f"name {name!r}: the Gluon kernel is unavailable or does not accept "
                          f"M={M} N={N} K={K} {x2d.dtype} on {x2d.device}"
                          + (f" (it takes at most {dispatch.GLUON_SMALL_M_MAX} rows)" if gluon_small else ""))
-    if not selection.options((name,), selection.tuning_rows(M), N, K, x2d.dtype):
+    if not selection.options((name,), dispatch.tuning_rows(M), N, K, x2d.dtype):
         raise ValueError(f"name {name!r} has no config for M={M} N={N} K={K} {x2d.dtype} (see its candidates())")
     chosen, config = selection.choose((name,), x2d, weight, bias, activation)
     return selection.launch(chosen, config, x2d, weight, bias, activation).reshape(*lead, N)

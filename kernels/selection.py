@@ -87,12 +87,6 @@ def launch(name, config, x2d, weight, bias, activation, static_weight=False):
     return launcher(name).launch(x2d, weight, bias, activation, out, config, **_launch_kw(x2d, static_weight))
 
 
-def tuning_rows(M):
-    """The M a batch of M rows is tuned at: its bucket's largest (``dispatch.m_bucket``), or M
-    itself past the last bucket."""
-    return max(M, dispatch.m_bucket(M))
-
-
 def options(kernels, M, N, K, dtype):
     """Every (kernel, config) the tuner times for these candidate kernels at ``M`` rows."""
     pairs = []
@@ -121,21 +115,6 @@ def _rotating_sets(x2d, weight, bias):
     return copies
 
 
-def _bucket_rows(x2d):
-    """``x2d`` grown to its batch bucket's largest M (rows repeated, same row stride), so a
-    bucket's choice is timed where the model runner runs it (it pads batches to the bucket) and
-    does not depend on which M in the bucket happened to come first; as is past the last bucket."""
-    M, K = x2d.shape
-    rows = tuning_rows(M)
-    if rows == M:
-        return x2d
-    # (A single row's stride can be anything; then rows are packed, 16-byte aligned as TMA wants.)
-    stride = x2d.stride(0) if x2d.stride(0) >= K else -(-K * x2d.element_size() // 16) * 16 // x2d.element_size()
-    grown = torch.empty_strided((rows, K), (stride, 1), dtype=x2d.dtype, device=x2d.device)
-    grown.copy_(x2d.detach().repeat(-(-rows // M), 1)[:rows])
-    return grown
-
-
 def _same_layout_copy(t):
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     return out.copy_(t.detach())  # a parameter's copy need not join autograd
@@ -144,9 +123,10 @@ def _same_layout_copy(t):
 def choose(kernels, x2d, weight, bias, activation, static_weight=False):
     """The ``(kernel, config)`` to run: the interpreter's fixed choice, the cached tuned one, or
     (first call for this bucket) the fastest of every candidate kernel and config, timed now on
-    these arguments grown to the bucket's largest M (``_bucket_rows``) and stored. Inside a CUDA-graph capture, where timing would break the capture,
-    an untuned bucket runs the first candidate's first config and nothing is stored (the model
-    runner warms every bucket before capturing)."""
+    these arguments grown to the bucket's largest M (``dispatch.bucket_rows``) and stored. Inside a
+    CUDA-graph capture, where timing would break the capture, an untuned bucket runs the first
+    candidate's first config and nothing is stored (the model runner warms every bucket before
+    capturing)."""
     M, K = x2d.shape
     N = weight.shape[0]
     if interpreting():  # (check_args lets CPU tensors through only then)
@@ -157,7 +137,7 @@ def choose(kernels, x2d, weight, bias, activation, static_weight=False):
         return tuned
     if torch.cuda.is_current_stream_capturing():
         return options(kernels, M, N, K, x2d.dtype)[0]
-    x_timed = _bucket_rows(x2d)
+    x_timed = dispatch.bucket_rows(x2d)
     pairs = options(kernels, x_timed.shape[0], N, K, x2d.dtype)
     sets = _rotating_sets(x_timed, weight, bias)
     turn = itertools.count()

@@ -7,7 +7,8 @@ import torch
 
 from kernels import autotune_cache
 from kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, GLUON_WS, GLUON_WS_MIN_M, MID_M_MAX, SMALL_M,
-                              SMALL_M_MAX, TILED, TMA_PERSISTENT, candidate_kernels, m_bucket)
+                              SMALL_M_MAX, TILED, TMA_PERSISTENT, bucket_rows, candidate_kernels, m_bucket,
+                              tuning_rows)
 
 HOPPER = (9, 0)
 AMPERE = (8, 0)
@@ -263,20 +264,16 @@ def test_time_configs_without_candidates_says_so():
 def test_a_bucket_is_tuned_on_its_largest_batch(M, stride, timed_rows):
     # The runner pads batches to the bucket: the choice for M=33..64 is timed at 64 rows (the
     # first M's rows repeated, same row stride), whichever M in the bucket came first.
-    from kernels import selection
-
     x = torch.randn(M, stride)[:, :40] if stride > 40 else torch.randn(M, 40)
-    grown = selection._bucket_rows(x)
-    assert selection.tuning_rows(M) == timed_rows == grown.shape[0] and grown.shape[1] == 40
+    grown = bucket_rows(x)
+    assert tuning_rows(M) == timed_rows == grown.shape[0] and grown.shape[1] == 40
     assert grown is x if timed_rows == M else grown.stride() == (stride if stride > 40 else 40, 1)
     assert torch.equal(grown[:M], x) and torch.equal(grown[M:], x.repeat(timed_rows // M + 1, 1)[M:timed_rows])
 
 
 def test_rows_with_a_short_stride_grow_into_aligned_rows():
     # A broadcast row (stride 0) is legal input; the grown copy packs rows 16-byte aligned, as TMA needs.
-    from kernels import selection
-
     x = torch.randn(100, dtype=torch.bfloat16).as_strided((3, 100), (0, 1))
-    grown = selection._bucket_rows(x)
+    grown = bucket_rows(x)
     assert grown.shape == (4, 100) and grown.stride() == (104, 1)  # 208 bytes per row
     assert torch.equal(grown, x[:1].expand(4, 100))
