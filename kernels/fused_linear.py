@@ -58,8 +58,8 @@ def fused_linear(x, weight, bias=None, activation="relu", *, static_weight=False
     only when ``torch.backends.cuda.matmul.allow_tf32`` is True, else 3xTF32 on the tensor cores
     (or exact CUDA-core products with ``FUSEDSERVE_FP32_PRECISION=ieee``; see
     ``kernels.common.dot_precision``). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
-    The first call for a new batch bucket on a GPU times the candidate kernels and configs
-    (``kernels.tune`` does that ahead of time).
+    The first call for a new batch bucket on a GPU times the candidate kernels and configs, at the
+    bucket's largest batch (``kernels.tune`` does that ahead of time).
 
     On compute capability 9.0+ the kernels are programmatic dependent launches (they wait for the
     previous kernel on the stream before reading anything). ``static_weight=True`` promises that
