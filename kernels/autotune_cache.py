@@ -28,7 +28,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 ENV_VAR = "FUSEDSERVE_TUNE_CACHE"
 # Part of the file name: bumped when candidates or the timing method change, so choices made by an
 # older tuner are not reused (their files stay, unread).
-TUNER_VERSION = 11
+TUNER_VERSION = 12
 
 
 def cache_dir():

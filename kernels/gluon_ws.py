@@ -63,7 +63,15 @@ def _tiles():
     power of two (192) is computed as two (``n_parts``)."""
     return ((128, 256, 64, 2, False, 2), (128, 256, 64, 2, False, 1), (256, 128, 64, 2, False, 1),
             (128, 128, 64, 2, True, 1), (128, 128, 64, 2, False, 1), (128, 128, 64, 1, False, 1),
-            (128, 192, 64, 2, False, 1), (64, 192, 64, 1, False, 1), (64, 96, 64, 1, False, 1))
+            (128, 192, 64, 2, False, 1), (64, 192, 64, 1, False, 1), (64, 96, 64, 1, False, 1),
+            *NARROW_TILES)
+
+
+# Narrow tiles for a few hundred rows, where 128-row tiles leave most SMs idle (N=K=4096, M=128:
+# 32 tiles of 128 x 128 against 128 of 64 x 64, cuBLASLt's tile there). The 64-row tiles re-read W
+# once per row of tiles, through L2 (GROUP_M keeps the tiles sharing a W slice together).
+NARROW_TILES = ((64, 64, 64, 1, False, 1), (64, 64, 128, 1, False, 1), (64, 128, 64, 1, False, 1),
+                (64, 128, 128, 1, False, 1))
 
 
 def n_parts(block_n):
@@ -107,6 +115,8 @@ def candidates(M, N, K, dtype):
     for bm, bn, bk, consumers, pingpong, epi_split in _tiles():
         if M <= dispatch.SMALL_M_MAX and bm > 64:
             continue  # (a few rows: only tiles of 64 rows, next to the weight-streaming kernels)
+        if (bm, bn, bk, consumers, pingpong, epi_split) in NARROW_TILES and M > dispatch.GLUON_SMALL_M_MAX:
+            continue
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         if tiles < dispatch.SMS // 2 and (bm, bn) != (128, 128):
             continue

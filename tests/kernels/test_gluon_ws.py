@@ -75,12 +75,22 @@ def test_192_wide_tiles_only_where_they_fill_the_waves_better(M, N, offered):
     assert {c["BLOCK_M"] for c in configs if c["BLOCK_N"] == 192} == offered
 
 
-@pytest.mark.parametrize("M, N, tiles", [(64, 11008, {(64, 96)}), (33, 8192, {(64, 96)}), (64, 4096, set()),
-                                         (128, 11008, {(64, 96), (64, 192), (128, 128), (256, 128)})])
+@pytest.mark.parametrize("M, N, tiles", [(64, 11008, {(64, 96), (64, 64), (64, 128)}), (33, 8192, {(64, 96), (64, 64)}),
+                                         (64, 4096, set()),
+                                         (128, 11008, {(64, 96), (64, 192), (64, 64), (64, 128), (128, 128), (256, 128)})])
 def test_a_few_rows_get_only_64_row_tiles_where_they_fill_the_sms(M, N, tiles):
     # N=11008, M=64: 115 tiles of 64 x 96 (a 64- and a 32-wide accumulator) for 132 SMs, where the
-    # weight-streaming kernels' 64 W rows make 172 (1.3 waves) and 128 make 86.
+    # weight-streaming kernels' 64 W rows make 172 (1.3 waves) and 128 make 86. N=4096, M=64: 64 tiles
+    # of 64 x 64 leave half the SMs idle.
     assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in gluon_ws.candidates(M, N, 4096, torch.bfloat16)} == tiles
+
+
+@pytest.mark.parametrize("M, narrow", [(128, True), (256, True), (257, False), (512, False)])
+def test_narrow_tiles_only_for_a_few_hundred_rows(M, narrow):
+    configs = gluon_ws.candidates(M, 8192, 4096, torch.bfloat16)
+    offered = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) for c in configs if c["BLOCK_N"] in (64, 128)
+               and c["BLOCK_M"] == 64}
+    assert offered == ({(64, 64, 64), (64, 64, 128), (64, 128, 64), (64, 128, 128)} if narrow else set())
 
 
 @pytest.mark.parametrize("M, N, twins", [(128, 11008, True), (256, 11008, True), (4096, 4096, False)])
