@@ -9,8 +9,8 @@
 # kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16
 # (KERNELS_DTYPES="bfloat16,float16" reverses the order), no torch.compile (kernels_h200_small.json).
 # kernels-at: KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096,8192x8192") in KERNELS_DTYPES
-# (default bf16 first), no torch.compile, into kernels_h200_$KERNELS_TAG.json: the shapes a change
-# touched, for bench/kernels.py --merge.
+# (default bf16 first), no torch.compile, within KERNELS_BUDGET_S (default 270), into
+# kernels_h200_$KERNELS_TAG.json: the shapes a change touched, for bench/kernels.py --merge.
 # kernels-full: the whole plan, ~20 min on an H200, so KERNELS_NK="8192x8192" runs it at those
 # N x K only (kernels_h200_8192x8192.json).
 # kernels: the quick plan (kernels_h200_quick.json: bench/results/kernels_h200.json is the merge of
@@ -158,7 +158,8 @@ for s in "${stages[@]}"; do
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag h200_quick --out "$out" ;;
-        kernels-at) stage kernels-at 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
+        kernels-at) stage kernels-at $((${KERNELS_BUDGET_S:-270} + 60)) python3 bench/kernels.py --quick --no-compile \
+            --budget-s "${KERNELS_BUDGET_S:-270}" \
             --ms "${KERNELS_MS:?}" --nk "${KERNELS_NK:-4096x4096}" --dtypes "${KERNELS_DTYPES:-bfloat16,float16}" \
             --tag "h200_${KERNELS_TAG:-at}" --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --budget-s 400 --out "$out" \
