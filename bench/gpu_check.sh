@@ -142,7 +142,7 @@ for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
         tests) stage tests 420 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header -p no:cacheprovider ;;
-        tests-quick) stage tests-quick 360 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
+        tests-quick) stage tests-quick 480 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
             -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py --ignore=tests/kernels/test_gluon_ws.py ;;
         tests-gluon-small) stage tests-gluon-small 300 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
             -p no:cacheprovider tests/kernels/test_gluon_small_m.py tests/kernels/test_fused_linear_gpu.py ;;
