@@ -55,6 +55,15 @@ _LOADER_REGS: gl.constexpr = gl.constexpr(40)
 _CONSUMER_REGS: gl.constexpr = gl.constexpr(232)
 
 
+# Narrow tiles, offered up to GLUON_SMALL_M_MAX rows, where 128-row tiles leave most SMs idle
+# (N=K=4096, M=128: 32 tiles of 128 x 128 against 128 of 64 x 64, cuBLASLt's tile there). Each
+# reads its W slice once per 64 rows of X, the second time from L2 (GROUP_M runs the tiles that
+# share a slice together). On the H200 (2026-12-04, bf16) they took this kernel from 17.9 to 14.2 us
+# at that shape, 1.03-1.06x cuBLASLt's fused epilogue.
+NARROW_TILES = ((64, 64, 64, 1, False, 1), (64, 64, 128, 1, False, 1), (64, 128, 64, 1, False, 1),
+                (64, 128, 128, 1, False, 1))
+
+
 def _tiles():
     """(BLOCK_M, BLOCK_N, BLOCK_K, CONSUMERS, PINGPONG, EPI_SPLIT) worth timing. Each consumer
     warpgroup holds a ``consumer_rows`` x BLOCK_N fp32 accumulator: 64 x 256 or 128 x 128 is 128
@@ -65,13 +74,6 @@ def _tiles():
             (128, 128, 64, 2, True, 1), (128, 128, 64, 2, False, 1), (128, 128, 64, 1, False, 1),
             (128, 192, 64, 2, False, 1), (64, 192, 64, 1, False, 1), (64, 96, 64, 1, False, 1),
             *NARROW_TILES)
-
-
-# Narrow tiles for a few hundred rows, where 128-row tiles leave most SMs idle (N=K=4096, M=128:
-# 32 tiles of 128 x 128 against 128 of 64 x 64, cuBLASLt's tile there). The 64-row tiles re-read W
-# once per row of tiles, through L2 (GROUP_M keeps the tiles sharing a W slice together).
-NARROW_TILES = ((64, 64, 64, 1, False, 1), (64, 64, 128, 1, False, 1), (64, 128, 64, 1, False, 1),
-                (64, 128, 128, 1, False, 1))
 
 
 def n_parts(block_n):
@@ -110,7 +112,8 @@ def candidates(M, N, K, dtype):
     deepest ring that fits ``SMEM_BUDGET``, up to 6 stages. A 192-wide tile only where it fills
     the SMs' waves at least 10% better than a 256-wide tile of its height and as well as a 128-wide
     one (N=11008, M=256: 116 tiles of 128 x 192 for 132 SMs, one wave 87% full, against 86 of
-    128 x 256, 65%, and 172 of 128 x 128, two waves 65% full)."""
+    128 x 256, 65%, and 172 of 128 x 128, two waves 65% full). ``NARROW_TILES`` only up to
+    ``dispatch.GLUON_SMALL_M_MAX`` rows."""
     configs = []
     for bm, bn, bk, consumers, pingpong, epi_split in _tiles():
         if M <= dispatch.SMALL_M_MAX and bm > 64:
