@@ -115,10 +115,11 @@ def candidates(M, N, K, dtype):
     128 x 256, 65%, and 172 of 128 x 128, two waves 65% full). ``NARROW_TILES`` only up to
     ``dispatch.GLUON_SMALL_M_MAX`` rows."""
     configs = []
-    for bm, bn, bk, consumers, pingpong, epi_split in _tiles():
+    for tile in _tiles():
+        bm, bn, bk, consumers, pingpong, epi_split = tile
         if M <= dispatch.SMALL_M_MAX and bm > 64:
             continue  # (a few rows: only tiles of 64 rows, next to the weight-streaming kernels)
-        if (bm, bn, bk, consumers, pingpong, epi_split) in NARROW_TILES and M > dispatch.GLUON_SMALL_M_MAX:
+        if tile in NARROW_TILES and M > dispatch.GLUON_SMALL_M_MAX:
             continue
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         if tiles < dispatch.SMS // 2 and (bm, bn) != (128, 128):
