@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY kernels ./kernels
 COPY models ./models
 COPY service ./service
+COPY fusedserve ./fusedserve
 # The shipped model repository also lives at /models, so a volume mounted there replaces it.
 RUN python -m pip install --no-cache-dir . \
     && cp -r models/repository /models \

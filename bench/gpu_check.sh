@@ -54,7 +54,7 @@ stage() {  # stage NAME SECONDS CMD...: run one stage, log it, never stop the ot
 
 e2e() {  # a real server on the GPU, asked over HTTP, stopped by its PID (bounded: 240 s to get ready)
     local port=18000
-    python3 -m service --device cuda --port "$port" > /tmp/fusedserve-e2e.log 2>&1 &
+    python3 -m fusedserve serve --device cuda --port "$port" > /tmp/fusedserve-e2e.log 2>&1 &
     local pid=$!
     local ready=0
     for _ in $(seq 1 240); do
@@ -67,7 +67,7 @@ e2e() {  # a real server on the GPU, asked over HTTP, stopped by its PID (bounde
     if [ "$ready" = 1 ]; then
         python3 - "$port" "$out/e2e_kernel_stats.json" <<'PY'
 import json, sys, httpx, torch
-from models import load_model
+from fusedserve.models import load_model
 port, dest = sys.argv[1], sys.argv[2]
 base = f"http://127.0.0.1:{port}"
 try:  # real digits where scikit-learn is installed (its wheels are ~45 MB of the device's carry)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from kernels import fused_linear  # noqa: E402  (needs sys.path)
+from fusedserve.kernels import fused_linear  # noqa: E402  (needs sys.path)
 
 SHAPES = ((1, 4096, 4096), (16, 4096, 4096), (512, 4096, 4096), (8, 1024, 1024))
 PROFILE_SHAPE = (1, 4096, 4096)

@@ -35,8 +35,8 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from kernels import KERNELS, autotune_cache, fused_linear, kernel_choice, run_kernel  # noqa: E402  (needs sys.path)
-from kernels.common import dot_precision, gc_paused  # noqa: E402
+from fusedserve.kernels import KERNELS, autotune_cache, fused_linear, kernel_choice, run_kernel  # noqa: E402  (needs sys.path)
+from fusedserve.kernels.common import dot_precision, gc_paused  # noqa: E402
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))

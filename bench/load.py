@@ -2,7 +2,7 @@
 
 Writes a temporary model repository with the shipped ``digits`` (64-256-256-10) and ``wide``, a
 seeded random MLP of four 2048x2048 layers (float32 on the CPU, bfloat16 on CUDA), then starts two
-servers (``python -m service``) on loopback ports, one batching (``--max-batch-size``,
+servers (``python -m fusedserve serve``) on loopback ports, one batching (``--max-batch-size``,
 ``--max-delay-ms``) and one not (batch size 1), and drives each with a load generator on raw asyncio
 streams (httpx costs ~6 ms of CPU per request, far more than the server). Runs alternate A B A B
 (B A on odd reps) per model and client count, so drifting machine noise hits both alike. Then it
@@ -56,7 +56,7 @@ def write_repository(root: Path, device: str) -> Path:
     """The shipped digits plus the seeded wide model, in a fresh repository folder."""
     import torch
 
-    import models
+    from fusedserve import models
 
     shutil.copytree(Path(models.DEFAULT_REPOSITORY) / "digits", root / "digits")
     dtype = "float32" if device == "cpu" else "bfloat16"
@@ -74,7 +74,7 @@ class ServerProcess:
         self.log = log_dir / f"server_{label}.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port),
+            self.proc = subprocess.Popen([sys.executable, "-m", "fusedserve", "serve", "--port", str(self.port),
                                           "--log-level", "warning", *flags],
                                          cwd=ROOT, env=env, stdout=out, stderr=out)
 
@@ -190,9 +190,9 @@ def median_us(fn, reps: int) -> float:
 async def _breakdown(device: str, body: bytes, reps: int) -> dict:
     import torch
 
-    from service.app import create_app
-    from service.inputs import dump_json, parse_json, rows_from_json
-    from service.settings import Settings
+    from fusedserve.service.app import create_app
+    from fusedserve.service.inputs import dump_json, parse_json, rows_from_json
+    from fusedserve.service.settings import Settings
 
     settings = Settings(device=device, max_batch_size=64, gc_freeze=False)  # the shipped digits only
     app = create_app(settings)

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from kernels import dispatch  # noqa: E402  (needs sys.path)
-from kernels.common import dot_precision  # noqa: E402
-from kernels.selection import launcher  # noqa: E402
+from fusedserve.kernels import dispatch  # noqa: E402  (needs sys.path)
+from fusedserve.kernels.common import dot_precision  # noqa: E402
+from fusedserve.kernels.selection import launcher  # noqa: E402
 
 KERNELS = (dispatch.GLUON_WS, dispatch.TMA_PERSISTENT, dispatch.GLUON_SMALL_M, dispatch.SMALL_M)
 PEER = "cublaslt"

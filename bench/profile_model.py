@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench.model import CountingSink, build_pair  # noqa: E402  (needs sys.path)
-from models import ModelRunner  # noqa: E402
+from fusedserve.models import ModelRunner  # noqa: E402
 
 CALLS = 200
 

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
 from bench.json_lines import JsonLines  # noqa: E402
-from kernels import autotune_cache, selection  # noqa: E402
-from kernels.fused_linear import _tma_aligned  # noqa: E402
+from fusedserve.kernels import autotune_cache, dispatch, selection  # noqa: E402
+from fusedserve.kernels.fused_linear import _tma_aligned  # noqa: E402
 
 
 def _shapes(text):

@@ -4,8 +4,8 @@
 shape; ``run_kernel`` forces one kernel (benchmarks); ``tune`` times configs ahead of time (kept on disk, see ``kernels.autotune_cache``).
 """
 
-from kernels.activations import ACTIVATIONS
-from kernels.fused_linear import KERNELS, fused_linear, kernel_choice, run_kernel
-from kernels.pretune import tune
+from fusedserve.kernels.activations import ACTIVATIONS
+from fusedserve.kernels.fused_linear import KERNELS, fused_linear, kernel_choice, run_kernel
+from fusedserve.kernels.pretune import tune
 
 __all__ = ["ACTIVATIONS", "KERNELS", "fused_linear", "kernel_choice", "run_kernel", "tune"]

@@ -6,8 +6,8 @@ import torch
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import MockTensor
 
-from kernels._sm90 import compile_sm90 as _compile
-from kernels.gluon_linear import GluonConfig, gluon_linear_kernel, make_launch_args
+from fusedserve.kernels._sm90 import compile_sm90 as _compile
+from fusedserve.kernels.gluon_linear import GluonConfig, gluon_linear_kernel, make_launch_args
 
 
 def compile_sm90(M: int, N: int, K: int, dtype: torch.dtype, cfg: GluonConfig, activation: str,
@@ -24,7 +24,7 @@ def compile_sm90(M: int, N: int, K: int, dtype: torch.dtype, cfg: GluonConfig, a
 def compile_small_m_sm90(M: int, N: int, K: int, dtype: torch.dtype, config: dict, activation: str,
                          has_bias: bool, pdl: bool = True, prefetch_weight: bool = False):
     """The CompiledKernel of one ``kernels.gluon_small_m`` launch with ``config``."""
-    from kernels import gluon_small_m
+    from fusedserve.kernels import gluon_small_m
 
     x2d = MockTensor(dtype, [M, K])
     weight = MockTensor(dtype, [N, K])

@@ -5,7 +5,7 @@ rejects (a non-constexpr global, a layout it cannot lower). This compiles each t
 way a launch on an H200 would, from mock tensors (through ``kernels._sm90``). Run without
 ``TRITON_INTERPRET``:
 
-    python -m kernels._sm90_triton        # one line per compile; exit status 1 if any failed
+    python -m fusedserve.kernels._sm90_triton        # one line per compile; exit status 1 if any failed
 """
 
 import sys
@@ -16,10 +16,10 @@ import triton
 from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import normalize, small_m, tiled, tma_persistent
-from kernels._sm90 import compile_sm90
-from kernels.common import FP32_PRECISIONS
-from kernels.activations import ACTIVATIONS
+from fusedserve.kernels import normalize, small_m, tiled, tma_persistent
+from fusedserve.kernels._sm90 import compile_sm90
+from fusedserve.kernels.common import FP32_PRECISIONS
+from fusedserve.kernels.activations import ACTIVATIONS
 
 
 def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, precision="ieee"):

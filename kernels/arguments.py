@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from kernels.activations import ACTIVATIONS
+from fusedserve.kernels.activations import ACTIVATIONS
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -101,7 +101,7 @@ def graph_timer(run, calls_hint):
     """
     import torch
 
-    from kernels.common import gc_paused
+    from fusedserve.kernels.common import gc_paused
 
     # Once per argument set before capturing: a copy may differ from the caller's tensors in what
     # Triton specializes on (16-byte alignment), and compiling must not happen inside a capture.

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arguments import interpreting
+from fusedserve.kernels.arguments import interpreting
 
 
 @contextlib.contextmanager

@@ -9,9 +9,9 @@ import math
 
 import torch
 
-from kernels import dispatch, selection, tma_persistent
-from kernels.activations import TORCH_ACTIVATIONS
-from kernels.arguments import check_args, interpreting
+from fusedserve.kernels import dispatch, selection, tma_persistent
+from fusedserve.kernels.activations import TORCH_ACTIVATIONS
+from fusedserve.kernels.arguments import check_args, interpreting
 
 KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON, dispatch.GLUON_SMALL_M,
            dispatch.GLUON_WS)

@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import autotune_cache, dispatch
-from kernels.activations import ACTIVATIONS, apply_activation
-from kernels.arguments import check_normalization
-from kernels.common import cuda_name, cuda_sm_count, dot_acc, dot_precision, launch_dependents_then_wait, pdl_supported
+from fusedserve.kernels import autotune_cache, dispatch
+from fusedserve.kernels.activations import ACTIVATIONS, apply_activation
+from fusedserve.kernels.arguments import check_normalization
+from fusedserve.kernels.common import cuda_name, cuda_sm_count, dot_acc, dot_precision, launch_dependents_then_wait, pdl_supported
 
 NAME = "triton_fused_mlp"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.common import cuda_capability, cuda_sm_count
+from fusedserve.kernels.common import cuda_capability, cuda_sm_count
 
 GLUON_ACTIVATIONS = ("none", "relu", "gelu", "silu")
 

@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels import dispatch, small_m
-from kernels.gluon_linear import _TORCH_TO_GL, _activation, tma_descriptor
+from fusedserve.kernels import dispatch, small_m
+from fusedserve.kernels.gluon_linear import _TORCH_TO_GL, _activation, tma_descriptor
 
 NAME = "gluon_small_m"
 MAX_M = dispatch.GLUON_SMALL_M_MAX  # rows of X one launch takes (in tiles of at most 128)

@@ -38,10 +38,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels import dispatch
-from kernels.common import cuda_sm_count
-from kernels.gluon_linear import _TORCH_TO_GL, _activation, _tile_coords, tma_descriptor
-from kernels.gluon_small_m import _gdc_launch_dependents_then_wait
+from fusedserve.kernels import dispatch
+from fusedserve.kernels.common import cuda_sm_count
+from fusedserve.kernels.gluon_linear import _TORCH_TO_GL, _activation, _tile_coords, tma_descriptor
+from fusedserve.kernels.gluon_small_m import _gdc_launch_dependents_then_wait
 
 NAME = "gluon_ws"
 INTERPRET_CONFIG = None  # Gluon never runs under the interpreter

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from kernels.fused_linear import fused_linear, kernel_choice
+from fusedserve.kernels.fused_linear import fused_linear, kernel_choice
 
 
 def tune(shapes, dtype=torch.bfloat16, device="cuda", activation="relu", progress=True):

@@ -9,9 +9,9 @@ import itertools
 
 import torch
 
-from kernels import autotune_cache, dispatch, small_m, tiled, tma_persistent
-from kernels.arguments import interpreting
-from kernels.common import cuda_capability, cuda_name, dot_precision, pdl_supported
+from fusedserve.kernels import autotune_cache, dispatch, small_m, tiled, tma_persistent
+from fusedserve.kernels.arguments import interpreting
+from fusedserve.kernels.common import cuda_capability, cuda_name, dot_precision, pdl_supported
 
 LAUNCHERS = {m.NAME: m for m in (tiled, small_m, tma_persistent)}
 
@@ -20,14 +20,14 @@ LAUNCHERS = {m.NAME: m for m in (tiled, small_m, tma_persistent)}
 def gluon_module():
     """The Gluon kernel module, or None when it cannot be imported here (it is optional)."""
     try:
-        return importlib.import_module("kernels.gluon_linear")
+        return importlib.import_module("fusedserve.kernels.gluon_linear")
     except ImportError:
         return None
 
 
 @functools.cache
 def _gluon_module(name):
-    return importlib.import_module(f"kernels.{name}")
+    return importlib.import_module(f"fusedserve.kernels.{name}")
 
 
 def launcher(name):

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activations import apply_activation
-from kernels.common import dot_acc, launch_dependents_then_wait
+from fusedserve.kernels.activations import apply_activation
+from fusedserve.kernels.common import dot_acc, launch_dependents_then_wait
 
 NAME = "triton_tiled"
 

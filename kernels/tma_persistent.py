@@ -6,13 +6,12 @@ order (GROUP_M tile rows share W tiles in L2); tiles are moved by TMA through ho
 needed. Needs 16-byte aligned base pointers and row strides (``tma_compatible``).
 """
 
-import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.activations import apply_activation
-from kernels.common import cuda_sm_count, launch_dependents_then_wait
+from fusedserve.kernels.activations import apply_activation
+from fusedserve.kernels.common import cuda_sm_count, launch_dependents_then_wait
 
 NAME = "triton_tma_persistent"
 

@@ -1,8 +1,8 @@
 """MLP models built from fused linear layers: definition, loading, running, the shipped repository."""
 
-from models.loading import DEFAULT_REPOSITORY, load_model, load_repository, save_model
-from models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
-from models.runner import ModelRunner, batch_buckets
+from fusedserve.models.loading import DEFAULT_REPOSITORY, load_model, load_repository, save_model
+from fusedserve.models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
+from fusedserve.models.runner import ModelRunner, batch_buckets
 
 __all__ = [
     "BACKENDS",

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.mlp import BACKENDS, MLP, MLPConfig
+from fusedserve.models.mlp import BACKENDS, MLP, MLPConfig
 
 log = logging.getLogger(__name__)
 

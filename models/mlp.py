@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.activations import TORCH_ACTIVATIONS as KERNEL_TORCH_ACTIVATIONS
+from fusedserve.kernels.activations import TORCH_ACTIVATIONS as KERNEL_TORCH_ACTIVATIONS
 
 BACKENDS = ("triton", "torch")
 
@@ -107,7 +107,7 @@ class FusedLinear(nn.Module):
             )
         if backend == "triton":
             # Imported here so the torch backend never needs Triton (nor its interpreter set-up).
-            import kernels
+            from fusedserve import kernels
 
             if activation not in kernels.ACTIVATIONS:
                 raise ValueError(

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from kernels.common import gc_paused
-from kernels.timing import LayerTiming, PendingEvents, TimingSink
-from models.mlp import MLP
+from fusedserve.kernels.common import gc_paused
+from fusedserve.kernels.timing import LayerTiming, PendingEvents, TimingSink
+from fusedserve.models.mlp import MLP
 
 # The two ways to compute a batch. "fused": kernels.fused_mlp, one launch per layer with the input
 # normalization fused into the first; "layers": the normalization (kernels.normalize with the
@@ -105,7 +105,7 @@ class ModelRunner:
             self._candidates = ("fused",)
         self._packed = None
         if self.fused:
-            from kernels.fused_mlp import pack_mlp
+            from fusedserve.kernels.fused_mlp import pack_mlp
 
             layers = model.layers
             self._packed = pack_mlp([l.weight.detach() for l in layers], [l.bias.detach() for l in layers],
@@ -271,7 +271,7 @@ class ModelRunner:
         is set; ``marks`` (events, one more than layers): recorded before each layer and after the last."""
         x = self._input[:bucket]  # [bucket, in], raw float32
         if path == "fused":
-            from kernels.fused_mlp import fused_mlp_layer
+            from fusedserve.kernels.fused_mlp import fused_mlp_layer
 
             model, packed, h = self.model, self._packed, x
             for i in range(packed.num_layers):  # [bucket, in] -> [bucket, hidden[i]] ... -> [bucket, out]
@@ -292,7 +292,7 @@ class ModelRunner:
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend != "triton":
             return self.model.normalize(x)
-        from kernels.normalize import normalize
+        from fusedserve.kernels.normalize import normalize
 
         # One launch instead of torch's two or three elementwise ones, and the same bits.
         return normalize(x, self.model.input_shift, self.model.input_scale, self.dtype)
@@ -300,7 +300,7 @@ class ModelRunner:
     def _layer(self, layer, h: torch.Tensor) -> torch.Tensor:
         if self.backend != "triton":
             return layer(h)
-        import kernels
+        from fusedserve import kernels
 
         # The runner serves weights that nothing writes while it runs (loaded, then synchronized in
         # warm-up), so each layer may start streaming its weights before the previous layer ends.
@@ -325,7 +325,7 @@ class ModelRunner:
     def _use_fused(self, fused: bool | None) -> bool:
         if fused is False or (fused is None and self.backend != "triton"):
             return False
-        from kernels.fused_mlp import fused_mlp_supported
+        from fusedserve.kernels.fused_mlp import fused_mlp_supported
 
         fits = self.backend == "triton" and fused_mlp_supported(self.model.config.widths, self.dtype,
                                                                 self.device)
@@ -341,7 +341,7 @@ class ModelRunner:
             for path in tuple(self._candidates):
                 try:
                     if path == "fused":  # its layers' configs, timed in the whole chain
-                        from kernels.fused_mlp import tune_chain
+                        from fusedserve.kernels.fused_mlp import tune_chain
 
                         tune_chain(self._input[:bucket], self._packed, self.model.input_shift,
                                    self.model.input_scale)
@@ -461,14 +461,14 @@ class ModelRunner:
             return fields
         layer = self.model.layers[layer_index]
         if path == "fused":
-            from kernels import fused_mlp
+            from fusedserve.kernels import fused_mlp
 
             config = fused_mlp.layer_config(bucket, self._packed, layer_index, self.device)
             kernel, config = fused_mlp.NAME, fused_mlp.config_str(config)
         elif self.backend == "torch":
             kernel, config = ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")
         else:
-            import kernels
+            from fusedserve import kernels
 
             kernel, config = kernels.kernel_choice(bucket, layer.out_features, layer.in_features, self.dtype,
                                                    self.device, static_weight=True)

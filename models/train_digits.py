@@ -4,7 +4,7 @@ Seeded and CPU-only (well under a minute). Holds out a stratified split, records
 accuracy with the settings that produced it in ``training.json`` and saves the model with
 ``save_model``, so the shipped weights can be rebuilt and their accuracy re-checked by the tests::
 
-    python -m models.train_digits            # writes models/repository/digits/
+    python -m fusedserve.models.train_digits           # writes models/repository/digits/
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.loading import DEFAULT_REPOSITORY, save_model
-from models.mlp import MLP, MLPConfig
+from fusedserve.models.loading import DEFAULT_REPOSITORY, save_model
+from fusedserve.models.mlp import MLP, MLPConfig
 
 TRAINING_FILE = "training.json"
 CONFIG = MLPConfig(in_features=64, hidden_features=(256, 256), out_features=10)

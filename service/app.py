@@ -12,21 +12,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from service.batcher import Batcher
-from service.errors import ServiceError
-from service.metrics import Metrics
-from service.middleware import RequestIdMiddleware
-from service.routers import health, infer, metrics, stats, v2
-from service.settings import Settings
-from service.state import ModelInfo, ServiceState
-from service.stats import ServiceStats
-from service.timing import LayerSinks
+from fusedserve.service.batcher import Batcher
+from fusedserve.service.errors import ServiceError
+from fusedserve.service.metrics import Metrics
+from fusedserve.service.middleware import RequestIdMiddleware
+from fusedserve.service.routers import health, infer, metrics, stats, v2
+from fusedserve.service.settings import Settings
+from fusedserve.service.state import ModelInfo, ServiceState
+from fusedserve.service.stats import ServiceStats
+from fusedserve.service.timing import LayerSinks
 
 log = logging.getLogger("fusedserve")
 
 
 def _load_runners(settings: Settings, sink: LayerSinks) -> list:
-    import models
+    from fusedserve import models
 
     device = None if settings.device == "auto" else settings.device
     backend = None if settings.backend == "auto" else settings.backend

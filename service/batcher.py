@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from service.errors import (
+from fusedserve.service.errors import (
     BatchFailed,
     ClientGone,
     DeadlineExceeded,

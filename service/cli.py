@@ -1,11 +1,11 @@
-"""``fusedserve serve`` and ``python -m service``: flags override FUSEDSERVE_* environment variables."""
+"""``fusedserve serve`` and ``python -m fusedserve serve``: flags override FUSEDSERVE_* environment variables."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from service.logs import FORMATS, configure
+from fusedserve.service.logs import FORMATS, configure
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Flag name -> Settings field; a flag left unset keeps the environment's (or the default) value.
@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace):
     """Settings from the environment, with every flag given on the command line taking precedence."""
-    from service.settings import Settings
+    from fusedserve.service.settings import Settings
 
     overrides = {field: getattr(args, field) for field, _, _ in _FLAGS.values() if getattr(args, field) is not None}
     return Settings(**overrides)
@@ -53,8 +53,8 @@ def settings_from_args(args: argparse.Namespace):
 def serve(args: argparse.Namespace, settings) -> None:
     import uvicorn
 
-    from service.app import create_app
-    from service.server import DrainingServer
+    from fusedserve.service.app import create_app
+    from fusedserve.service.server import DrainingServer
 
     configure(args.log_level, args.log_format)
     app = create_app(settings)
@@ -80,8 +80,3 @@ def main(argv: list[str] | None = None) -> None:
         except ValidationError as exc:  # a bad flag or FUSEDSERVE_* value: usage and why, exit 2
             top.error(str(exc))
         serve(args, settings)
-
-
-def main_serve(argv: list[str] | None = None) -> None:
-    """``python -m service [flags]``: the same as ``fusedserve serve [flags]``."""
-    main(["serve", *(argv or [])])

@@ -8,8 +8,8 @@ import time
 import numpy as np
 from fastapi import Request
 
-from service.errors import BadInput, ServiceError
-from service.state import ServiceState
+from fusedserve.service.errors import BadInput, ServiceError
+from fusedserve.service.state import ServiceState
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 

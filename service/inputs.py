@@ -12,7 +12,7 @@ import numpy as np
 import orjson
 from fastapi import Request
 
-from service.errors import BadInput, PayloadTooLarge
+from fusedserve.service.errors import BadInput, PayloadTooLarge
 
 
 async def read_body(request: Request, limit: int) -> bytes:

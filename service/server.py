@@ -10,7 +10,7 @@ import signal
 
 import uvicorn
 
-from service.state import ServiceState
+from fusedserve.service.state import ServiceState
 
 log = logging.getLogger("fusedserve")
 

@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 def _shipped_repository() -> Path:
     # Imported here, not at module level, so building settings never pulls in torch before it is needed.
-    import models
+    from fusedserve import models
 
     return Path(models.DEFAULT_REPOSITORY)
 

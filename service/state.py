@@ -7,11 +7,11 @@ from typing import Any
 
 from fastapi import Request
 
-from service.batcher import Batcher
-from service.errors import BadInput, NotReady, UnknownModel
-from service.metrics import Metrics
-from service.settings import Settings
-from service.stats import ServiceStats
+from fusedserve.service.batcher import Batcher
+from fusedserve.service.errors import BadInput, NotReady, UnknownModel
+from fusedserve.service.metrics import Metrics
+from fusedserve.service.settings import Settings
+from fusedserve.service.stats import ServiceStats
 
 
 @dataclass

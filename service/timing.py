@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.timing import LayerTiming, TimingSink
+from fusedserve.kernels.timing import LayerTiming, TimingSink
 
 
 class LayerSinks:

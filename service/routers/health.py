@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from service.state import ServiceState, get_state
+from fusedserve.service.state import ServiceState, get_state
 
 router = APIRouter(tags=["health"])
 

@@ -7,10 +7,10 @@ from typing import Annotated
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
-from service.errors import BadInput
-from service.inference import infer
-from service.inputs import dump_json, parse_json, read_body, rows_from_json
-from service.state import ServiceState, get_state
+from fusedserve.service.errors import BadInput
+from fusedserve.service.inference import infer
+from fusedserve.service.inputs import dump_json, parse_json, read_body, rows_from_json
+from fusedserve.service.state import ServiceState, get_state
 
 router = APIRouter(tags=["inference"])
 

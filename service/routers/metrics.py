@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.state import ServiceState, get_state
+from fusedserve.service.state import ServiceState, get_state
 
 router = APIRouter(tags=["metrics"])
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
-from service.state import ServiceState, get_state
+from fusedserve.service.state import ServiceState, get_state
 
 router = APIRouter(prefix="/kernel-stats", tags=["stats"])
 

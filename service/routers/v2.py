@@ -10,10 +10,10 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.errors import BadInput, UnknownModel
-from service.inference import infer
-from service.inputs import check_rows, dump_json, parse_json, read_body
-from service.state import ModelInfo, ServiceState, get_state
+from fusedserve.service.errors import BadInput, UnknownModel
+from fusedserve.service.inference import infer
+from fusedserve.service.inputs import check_rows, dump_json, parse_json, read_body
+from fusedserve.service.state import ModelInfo, ServiceState, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from kernels import autotune_cache
-from kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, GLUON_WS, GLUON_WS_MIN_M, MID_M_MAX, SMALL_M,
+from fusedserve.kernels import autotune_cache
+from fusedserve.kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, GLUON_WS, GLUON_WS_MIN_M, MID_M_MAX, SMALL_M,
                               SMALL_M_MAX, TILED, TMA_PERSISTENT, bucket_rows, candidate_kernels, m_bucket,
                               tuning_rows)
 
@@ -175,7 +175,7 @@ def test_graph_timing_fallback_names_the_candidate(monkeypatch):
 def test_gc_paused_restores_the_collector_as_it_was():
     import gc
 
-    from kernels.common import gc_paused
+    from fusedserve.kernels.common import gc_paused
 
     assert gc.isenabled()
     with pytest.raises(ValueError), gc_paused():

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import ACTIVATIONS, KERNELS, fused_linear, kernel_choice, run_kernel, small_m, tiled, tma_persistent
+from fusedserve import kernels
+from fusedserve.kernels import ACTIVATIONS, KERNELS, fused_linear, kernel_choice, run_kernel, small_m, tiled, tma_persistent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -272,7 +272,7 @@ def test_kernels_lists_every_dispatch_target():
 def test_tuning_times_every_candidate_once_and_caches_the_winner(monkeypatch, tmp_path):
     # The GPU path of kernels.selection, run on the interpreter: the timer is replaced (it needs
     # CUDA) by one that launches every option, checks its result, and crowns the last option.
-    from kernels import autotune_cache, selection
+    from fusedserve.kernels import autotune_cache, selection
 
     monkeypatch.setattr(selection, "interpreting", lambda: False)
     monkeypatch.setattr(selection, "cuda_name", lambda device: f"fake-gpu-{tmp_path.name}")
@@ -417,7 +417,7 @@ def test_every_config_compiles_for_hopper():
     # from mock tensors (no GPU needed), in a fresh process without TRITON_INTERPRET. ~30 s here.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(kernels.__file__).parents[1]), env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-m", "kernels._sm90_triton"], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "fusedserve.kernels._sm90_triton"], env=env, capture_output=True,
                             text=True, timeout=600)
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
     assert result.returncode == 0 and not failed, "\n".join(failed) or result.stderr[-3000:]
@@ -436,7 +436,7 @@ def test_static_weight_reaches_the_launch_as_a_weight_prefetch(monkeypatch, stat
     # Where programmatic dependent launch is supported (sm_90+), every Triton kernel is launched
     # with it, and static_weight=True lets the weight-streaming kernel read W before its wait.
     # Faked here so the wiring is checked on any machine; the launch itself runs as usual.
-    from kernels import selection
+    from fusedserve.kernels import selection
 
     seen = []
     real = small_m.launch
@@ -453,7 +453,7 @@ def test_static_weight_reaches_the_launch_as_a_weight_prefetch(monkeypatch, stat
 
 
 def test_fp32_dot_precision_follows_torch_and_the_environment(monkeypatch):
-    from kernels.common import FP32_PRECISION_ENV, dot_precision
+    from fusedserve.kernels.common import FP32_PRECISION_ENV, dot_precision
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter always says "ieee")
     monkeypatch.delenv(FP32_PRECISION_ENV, raising=False)
     matmul, old = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32

@@ -11,8 +11,8 @@ when TF32 is allowed, a bound on the error of rounding the inputs to TF32 (see _
 import pytest
 import torch
 
-from kernels import dispatch, fused_linear, kernel_choice, small_m, tiled, tma_persistent
-from kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
+from fusedserve.kernels import dispatch, fused_linear, kernel_choice, small_m, tiled, tma_persistent
+from fusedserve.kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
 
 from .conftest import check_layers_in_cuda_graph, make
 
@@ -207,7 +207,7 @@ def test_repeat_calls_are_deterministic():
 
 
 def test_graph_timer_times_replays_of_rotating_calls():
-    from kernels import autotune_cache
+    from fusedserve.kernels import autotune_cache
 
     sets = [make(16, 4096, 4096, torch.bfloat16, seed=s) for s in range(3)]
     calls = []

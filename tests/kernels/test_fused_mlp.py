@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-import kernels.fused_mlp
-from kernels import autotune_cache
-from kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
-from kernels.fused_mlp import (
+from fusedserve.kernels import fused_mlp as fused_mlp_module
+from fusedserve.kernels import autotune_cache
+from fusedserve.kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
+from fusedserve.kernels.fused_mlp import (
     _tune_key,
     descend_chain,
     fused_mlp,
@@ -227,7 +227,7 @@ def test_descent_is_deterministic_on_ties_and_skips_configs_that_do_not_fit():
 def test_tune_chain_on_the_cpu_returns_the_defaults_untimed(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the GPU version is test_tune_chain_stores_one_config_per_layer_on_gpu")
-    monkeypatch.setattr(kernels.fused_mlp, "descend_chain", lambda *args: pytest.fail("timed on the CPU"))
+    monkeypatch.setattr(fused_mlp_module, "descend_chain", lambda *args: pytest.fail("timed on the CPU"))
     widths = (17, 70, 3, 5)
     weights, biases, shift, scale = random_mlp(widths, torch.float32, "cpu")
     packed = pack_mlp(weights, biases, "relu")
@@ -278,7 +278,7 @@ def test_tune_chain_keeps_a_layer_another_chain_tuned(tmp_path, monkeypatch):
         descents.append(candidates)
         return descend_chain(candidates, run, timer)
 
-    monkeypatch.setattr(kernels.fused_mlp, "descend_chain", recorded_descent)
+    monkeypatch.setattr(fused_mlp_module, "descend_chain", recorded_descent)
     weights, biases, shift, scale = random_mlp((64, 256, 256, 10), torch.float32, "cuda")
     packed = pack_mlp(weights, biases, "relu")
     # Layer 1 as another model with the same layer shape and role left it: a non-default candidate.
@@ -317,8 +317,8 @@ def test_config_fills_the_sms_or_is_as_narrow_as_tl_dot_allows(M, N):
 COMPILE_SM90 = """
 import sys, torch
 from triton.runtime.jit import MockTensor
-from kernels._sm90 import compile_sm90, ptxas_usage
-from kernels.fused_mlp import _fused_mlp_layer_kernel, config_str, fused_mlp_candidates
+from fusedserve.kernels._sm90 import compile_sm90, ptxas_usage
+from fusedserve.kernels.fused_mlp import _fused_mlp_layer_kernel, config_str, fused_mlp_candidates
 
 rows, N, dtype, normalize = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 # fp32: exact CUDA-core dots; fp32x3: the 3xTF32 tensor-core dots (kernels.common.dot_precision)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import common
-from kernels.gluon_linear import (
+from fusedserve.kernels import common
+from fusedserve.kernels.gluon_linear import (
     GLUON_ACTIVATIONS,
     GLUON_CONFIGS,
     LARGE_M,
@@ -58,7 +58,7 @@ COMPILE_CASES = [("none", False), ("relu", True), ("relu", False), ("gelu", True
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation, has_bias", COMPILE_CASES)
 def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
-    from kernels._sm90_compile import compile_sm90
+    from fusedserve.kernels._sm90_compile import compile_sm90
 
     # Awkward sizes: M and K tails are handled by TMA clipping and zero fill, not by masks.
     compiled = compile_sm90(130, 1000, 136, dtype, cfg, activation, has_bias)
@@ -83,8 +83,8 @@ def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
 @pytest.mark.parametrize("cfg", GLUON_CONFIGS, ids=str)
 @pytest.mark.parametrize("activation", GLUON_ACTIVATIONS)
 def test_no_register_spills(cfg, activation):
-    from kernels._sm90 import ptxas_usage
-    from kernels._sm90_compile import compile_sm90
+    from fusedserve.kernels._sm90 import ptxas_usage
+    from fusedserve.kernels._sm90_compile import compile_sm90
 
     # A spilled accumulator goes through local memory on every k-step: the kernel would crawl.
     compiled = compile_sm90(4096, 4096, 4096, torch.bfloat16, cfg, activation, True)
@@ -97,7 +97,7 @@ def test_no_register_spills(cfg, activation):
 # ---------------------------------------------------------------- host-side logic (CPU, CI)
 
 def test_activations_match_the_shared_list():
-    from kernels.activations import ACTIVATIONS
+    from fusedserve.kernels.activations import ACTIVATIONS
 
     missing = set(ACTIVATIONS) - set(GLUON_ACTIVATIONS)
     assert not missing, f"the Gluon epilogue lacks activations {sorted(missing)}"

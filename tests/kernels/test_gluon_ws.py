@@ -8,7 +8,7 @@ PTX, shared memory and registers are checked.
 import pytest
 import torch
 
-from kernels import gluon_ws
+from fusedserve.kernels import gluon_ws
 
 from .conftest import CHAIN_WIDTHS, check_against_float64, check_layers_in_cuda_graph, make
 
@@ -220,7 +220,7 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import MockTensor
 
-    from kernels._sm90 import compile_sm90
+    from fusedserve.kernels._sm90 import compile_sm90
 
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     meta = gluon_ws.kernel_meta(config, has_bias, activation, pdl)
@@ -232,7 +232,7 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
                                      (4096, 4096, 4096), (100, 136, 72)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
-    from kernels._sm90 import ptxas_usage
+    from fusedserve.kernels._sm90 import ptxas_usage
 
     for config in gluon_ws.candidates(M, N, K, torch.bfloat16):
         if config.get("PDL") is False:
@@ -311,7 +311,7 @@ def test_dependent_launches_in_a_cuda_graph(M, schedule):
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a compute-capability 9.x GPU")
 def test_forcing_it_onto_a_shape_it_has_no_tile_for_is_a_clear_error():
-    from kernels.fused_linear import run_kernel
+    from fusedserve.kernels.fused_linear import run_kernel
 
     assert not gluon_ws.candidates(16, 4096, 4096, torch.bfloat16)  # a few rows: weight streaming's ground
     with pytest.raises(ValueError, match="name 'gluon_ws' has no config for M=16"):

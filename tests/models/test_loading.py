@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import MLP, MLPConfig, load_model, load_repository, save_model
+from fusedserve.models import MLP, MLPConfig, load_model, load_repository, save_model
 
 CONFIG = MLPConfig(in_features=3, hidden_features=(17, 70), out_features=5)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models import MLP, MLPConfig, ModelRunner, batch_buckets
+from fusedserve.models import MLP, MLPConfig, ModelRunner, batch_buckets
 
 CONFIG = MLPConfig(in_features=17, hidden_features=(70, 3), out_features=5)
 MAX_BATCH = 100
@@ -130,10 +130,10 @@ def test_triton_backend_under_the_interpreter_matches_torch(fused):
 
 
 def test_fused_warmup_tunes_the_chain_on_the_bucket_before_its_first_launch(monkeypatch):
-    import kernels.fused_mlp
+    from fusedserve.kernels import fused_mlp as fused_mlp_module
 
     calls = []
-    tune_chain, fused_mlp_layer = kernels.fused_mlp.tune_chain, kernels.fused_mlp.fused_mlp_layer
+    tune_chain, fused_mlp_layer = fused_mlp_module.tune_chain, fused_mlp_module.fused_mlp_layer
 
     def recorded_tune_chain(x, packed, shift, scale):
         assert packed is runner._packed and x.data_ptr() == runner.input_buffer.data_ptr()
@@ -144,8 +144,8 @@ def test_fused_warmup_tunes_the_chain_on_the_bucket_before_its_first_launch(monk
         calls.append(("layer", h.shape[0], index))
         return fused_mlp_layer(h, packed, index, *args, **kwargs)
 
-    monkeypatch.setattr(kernels.fused_mlp, "tune_chain", recorded_tune_chain)
-    monkeypatch.setattr(kernels.fused_mlp, "fused_mlp_layer", recorded_layer)
+    monkeypatch.setattr(fused_mlp_module, "tune_chain", recorded_tune_chain)
+    monkeypatch.setattr(fused_mlp_module, "fused_mlp_layer", recorded_layer)
     runner = ModelRunner(make_model(backend="triton"), max_batch_size=2, fused=True)
     runner.warmup()
     assert calls == [(kind, *rest) for bucket in (1, 2)

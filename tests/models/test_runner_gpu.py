@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from models import MLP, MLPConfig, ModelRunner
+from fusedserve.models import MLP, MLPConfig, ModelRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -163,7 +163,7 @@ def test_compute_replays_the_graph_run_uses():
 
 
 def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp_path, monkeypatch):
-    from kernels import autotune_cache, fused_mlp
+    from fusedserve.kernels import autotune_cache, fused_mlp
 
     cache = autotune_cache.TuneCache(torch.cuda.get_device_name(), tmp_path)  # nothing tuned yet
     monkeypatch.setattr(autotune_cache, "device_cache", lambda name: cache)
@@ -183,12 +183,12 @@ def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp
 
 
 def test_automatic_choice_leaves_out_a_path_that_fails(monkeypatch, caplog):
-    import kernels.fused_mlp
+    from fusedserve.kernels import fused_mlp as fused_mlp_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("stand-in for a kernel that cannot launch here")
 
-    monkeypatch.setattr(kernels.fused_mlp, "fused_mlp_layer", broken)
+    monkeypatch.setattr(fused_mlp_module, "fused_mlp_layer", broken)
     runner = ModelRunner(make_model("triton"), max_batch_size=1)
     runner.warmup()
     assert runner.path(1) == "layers" and runner.path_seconds == {}, (runner.path(1), runner.path_seconds)

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from models import DEFAULT_REPOSITORY, load_model, load_repository
-from models.train_digits import TRAINING_FILE, held_out_split
+from fusedserve.models import DEFAULT_REPOSITORY, load_model, load_repository
+from fusedserve.models.train_digits import TRAINING_FILE, held_out_split
 
 DIGITS = DEFAULT_REPOSITORY / "digits"
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import torch
 
-import models
-from service.app import create_app
-from service.settings import Settings
+from fusedserve import models
+from fusedserve.service.app import create_app
+from fusedserve.service.settings import Settings
 
 IN, HIDDEN, OUT = 3, (17,), 2
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m service`` on a free loopback port; ``repository`` None serves the shipped one."""
+    """``python -m fusedserve serve`` on a free loopback port; ``repository`` None serves the shipped one."""
 
     def __init__(self, repository: Path | None, log: Path, *flags: str, device: str = "cpu"):
         self.port = free_port()
@@ -97,7 +97,7 @@ class Server:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "service", "--port", str(self.port), "--device", device, *flags,
+                [sys.executable, "-m", "fusedserve", "serve", "--port", str(self.port), "--device", device, *flags,
                  *(["--model-repository", str(repository)] if repository is not None else [])],
                 cwd=ROOT, env=env, stdout=out, stderr=out)
 

@@ -9,9 +9,9 @@ import httpx
 import numpy as np
 import pytest
 
-import models
-from service.app import create_app
-from service.settings import Settings
+from fusedserve import models
+from fusedserve.service.app import create_app
+from fusedserve.service.settings import Settings
 
 from .conftest import IN, OUT, reference, wait_ready
 

@@ -6,8 +6,8 @@ import httpx
 import numpy as np
 import pytest
 
-from service.app import create_app
-from service.settings import Settings
+from fusedserve.service.app import create_app
+from fusedserve.service.settings import Settings
 
 from .conftest import wait_ready
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import models
+from fusedserve import models
 
 from .conftest import Server
 

@@ -5,7 +5,7 @@ import logging
 import subprocess
 import sys
 
-from service.logs import JsonFormatter
+from fusedserve.service.logs import JsonFormatter
 
 from .conftest import ROOT
 
@@ -36,7 +36,7 @@ def test_json_line_keeps_the_exception():
 
 def test_bad_log_format_from_the_environment_is_a_usage_error():
     env = {"FUSEDSERVE_LOG_FORMAT": "xml", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "fusedserve", "serve"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=False, env=env)
     assert out.returncode == 2, out.stderr
     assert "log format must be one of" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -1,4 +1,4 @@
-"""Overload, deadlines and disconnects on a real server (``python -m service`` on loopback).
+"""Overload, deadlines and disconnects on a real server (``python -m fusedserve serve`` on loopback).
 
 The model is made slow enough (six 2048-wide layers, 4-row batches, a few ms each on the CPU) that
 concurrent clients build a queue, and the queue is small (16 rows), so the limits are reached.
@@ -9,7 +9,7 @@ import json
 import re
 
 import httpx
-import models
+from fusedserve import models
 import torch
 
 from .conftest import Server

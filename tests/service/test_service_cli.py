@@ -7,8 +7,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from service.cli import parser, settings_from_args
-from service.settings import Settings
+from fusedserve.service.cli import parser, settings_from_args
+from fusedserve.service.settings import Settings
 
 from .conftest import ROOT
 
@@ -23,7 +23,7 @@ def test_flags_override_environment(monkeypatch, tmp_path):
 
 
 def test_defaults_serve_the_shipped_repository_on_loopback(monkeypatch):
-    import models
+    from fusedserve import models
 
     for name in [n for n in os.environ if n.startswith("FUSEDSERVE_")]:
         monkeypatch.delenv(name)
@@ -52,7 +52,7 @@ def test_bad_settings_name_the_field(kwargs, fragment):
 
 
 def test_python_dash_m_service_help_lists_every_flag():
-    out = subprocess.run([sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "fusedserve", "serve", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     for flag in ("--host", "--port", "--model-repository", "--device", "--max-batch-size", "--max-delay-ms",
@@ -61,7 +61,7 @@ def test_python_dash_m_service_help_lists_every_flag():
 
 
 def test_bad_flag_value_exits_with_usage_not_a_traceback():
-    out = subprocess.run([sys.executable, "-m", "service", "--device", "gpu"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "fusedserve", "serve", "--device", "gpu"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 2, out.stderr
     assert "device must be auto, cpu, cuda or cuda:<index>" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from kernels.timing import LayerTiming
-from service.stats import ServiceStats
+from fusedserve.kernels.timing import LayerTiming
+from fusedserve.service.stats import ServiceStats
 
 
 def timing(seconds, layer="layers.0", M=17, N=70, K=130, dtype="float16", config="BM=16"):

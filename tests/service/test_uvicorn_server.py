@@ -1,4 +1,4 @@
-"""A real uvicorn (``python -m service``) on a free loopback port, in a subprocess stopped by PID."""
+"""A real uvicorn (``python -m fusedserve serve``) on a free loopback port, in a subprocess stopped by PID."""
 
 import http.client
 import json
