@@ -5,6 +5,8 @@ all (with their configs) and keeps the fastest for that batch bucket (see ``kern
 
 import torch
 
+from fusedserve.kernels.rules import M_BUCKET_CAP, bucket_rows, m_bucket, tuning_rows  # noqa: F401
+
 TILED = "triton_tiled"
 SMALL_M = "triton_small_m"
 TMA_PERSISTENT = "triton_tma_persistent"
@@ -28,38 +30,6 @@ GLUON_SMALL_M_MAX = 256
 GLUON_WS_MIN_M = 32
 # The SM count the candidate rules are written for (an H200's): which splits of the work fill one wave.
 SMS = 132
-# Autotune keys bucket M up to this; larger batches share the biggest bucket's choice.
-M_BUCKET_CAP = 4096
-
-
-def m_bucket(M):
-    """Batch size rounded up to a power of two (capped), the M part of every autotune key."""
-    if M < 1:
-        raise ValueError(f"M must be >= 1, got {M}")
-    return min(M_BUCKET_CAP, 1 << (M - 1).bit_length())
-
-
-def tuning_rows(M):
-    """The M a batch of M rows is tuned at: its bucket's largest (``m_bucket``), or M itself past
-    the last bucket."""
-    return max(M, m_bucket(M))
-
-
-def bucket_rows(x2d):
-    """``x2d`` ``[M, K]`` grown to ``tuning_rows(M)`` rows (its rows repeated, same row stride): a
-    bucket's choice is timed where the model runner runs it (it pads batches to the bucket) and
-    does not depend on which M in the bucket happened to come first."""
-    M, K = x2d.shape
-    rows = tuning_rows(M)
-    if rows == M:
-        return x2d
-    # (A single row's stride can be anything; then rows are packed, 16-byte aligned as TMA wants.)
-    stride = x2d.stride(0) if x2d.stride(0) >= K else -(-K * x2d.element_size() // 16) * 16 // x2d.element_size()
-    grown = torch.empty_strided((rows, K), (stride, 1), dtype=x2d.dtype, device=x2d.device)
-    grown.copy_(x2d.detach().repeat(-(-rows // M), 1)[:rows])
-    return grown
-
-
 def candidate_kernels(M, N, K, dtype, *, capability, tma_aligned, gluon_ok=False):
     """Kernel names that may run ``act(X[M, K] @ W[N, K]^T + b)``; the first is the default used
     before (or without) tuning.

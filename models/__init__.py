@@ -2,7 +2,8 @@
 
 from fusedserve.models.loading import DEFAULT_REPOSITORY, load_model, load_repository, save_model
 from fusedserve.models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
-from fusedserve.models.runner import ModelRunner, batch_buckets
+from fusedserve.kernels.rules import batch_buckets
+from fusedserve.models.runner import ModelRunner
 
 __all__ = [
     "BACKENDS",

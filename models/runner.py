@@ -9,6 +9,8 @@ import torch
 
 from fusedserve.kernels.common import gc_paused
 from fusedserve.kernels.timing import LayerTiming, PendingEvents, TimingSink
+from fusedserve.kernels import rules
+from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models.mlp import MLP
 
 # The two ways to compute a batch. "fused": kernels.fused_mlp, one launch per layer with the input
@@ -19,15 +21,6 @@ PATHS = ("fused", "layers")
 CHOICE_ROUNDS, CHOICE_CALLS = 3, 10
 
 log = logging.getLogger(__name__)
-
-
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """Powers of two below ``max_batch_size``, then ``max_batch_size`` itself: ``10 -> [1, 2, 4, 8, 10]``."""
-    buckets, size = [], 1
-    while size < max_batch_size:
-        buckets.append(size)
-        size *= 2
-    return [*buckets, max_batch_size]
 
 
 class ModelRunner:
@@ -145,7 +138,7 @@ class ModelRunner:
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, in_features]`` float32 CPU -> ``[M, out_features]`` float32 CPU."""
         rows = self._check_input(x)
-        bucket = next(b for b in self.buckets if b >= rows)
+        bucket = rules.bucket(rows, self.max_batch_size)
         if self._pending:  # eager timed batches' events (a lock and a query each; most runs have none)
             self._emit(self._pending.ready())
         if bucket not in self._paths:

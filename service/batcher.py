@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from fusedserve.kernels import rules
 from fusedserve.service.errors import (
     BatchFailed,
     ClientGone,
@@ -91,7 +92,7 @@ class Batcher:
         # a full batch, the deadline's timer or stop wake it): one wake-up per batch, not per request.
         self._wake = asyncio.Event()
         self._state = _BUSY
-        # Last compute seconds per row-count bucket (rows rounded up to a power of two).
+        # Last compute seconds per bucket of row counts (the runner pads a batch to its bucket).
         self._compute_s: dict[int, float] = {}
         # Batches per row-count bucket sent to the worker since that bucket last ran on the loop.
         self._on_worker: dict[int, int] = {}
@@ -236,7 +237,7 @@ class Batcher:
         waits = [started - item.enqueued for item in batch]
         x = np.concatenate([item.x for item in batch]) if len(batch) > 1 else batch[0].x
         rows = x.shape[0]
-        bucket = 1 << (rows - 1).bit_length()
+        bucket = rules.bucket(rows, self.max_batch_size)
         last = self._compute_s.get(bucket)
         inline = self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s)
         if not inline and last is not None and self.inline_batch_s > 0:

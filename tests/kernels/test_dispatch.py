@@ -7,8 +7,7 @@ import torch
 
 from fusedserve.kernels import autotune_cache
 from fusedserve.kernels.dispatch import (GLUON, GLUON_SMALL_M, GLUON_SMALL_M_MAX, GLUON_WS, GLUON_WS_MIN_M, MID_M_MAX, SMALL_M,
-                              SMALL_M_MAX, TILED, TMA_PERSISTENT, bucket_rows, candidate_kernels, m_bucket,
-                              tuning_rows)
+                              SMALL_M_MAX, TILED, TMA_PERSISTENT, candidate_kernels)
 
 HOPPER = (9, 0)
 AMPERE = (8, 0)
@@ -80,17 +79,6 @@ def test_warp_specialized_gluon_competes_past_small_batches_on_hopper(M):
 ])
 def test_everything_else_gets_the_portable_kernel(kwargs):
     assert kernels_for(1000, **kwargs) == (TILED,)
-
-
-@pytest.mark.parametrize("M,bucket", [(1, 1), (2, 2), (3, 4), (17, 32), (64, 64), (65, 128), (4096, 4096),
-                                      (4097, 4096), (100000, 4096)])
-def test_m_bucket_is_next_power_of_two_capped(M, bucket):
-    assert m_bucket(M) == bucket
-
-
-def test_m_bucket_rejects_empty():
-    with pytest.raises(ValueError, match="M"):
-        m_bucket(0)
 
 
 def test_tune_cache_directory_from_env(monkeypatch, tmp_path):
@@ -257,23 +245,3 @@ def test_time_configs_with_one_candidate_times_it_once():
 def test_time_configs_without_candidates_says_so():
     with pytest.raises(ValueError, match="no candidate configs"):
         autotune_cache.time_configs([], lambda o: o, timer=fake_timer({}))
-
-
-@pytest.mark.parametrize("M, stride, timed_rows", [(33, 64, 64), (1, 1, 1), (3, 100, 4), (64, 64, 64),
-                                                   (5000, 64, 5000)])
-def test_a_bucket_is_tuned_on_its_largest_batch(M, stride, timed_rows):
-    # The runner pads batches to the bucket: the choice for M=33..64 is timed at 64 rows (the
-    # first M's rows repeated, same row stride), whichever M in the bucket came first.
-    x = torch.randn(M, stride)[:, :40] if stride > 40 else torch.randn(M, 40)
-    grown = bucket_rows(x)
-    assert tuning_rows(M) == timed_rows == grown.shape[0] and grown.shape[1] == 40
-    assert grown is x if timed_rows == M else grown.stride() == (stride if stride > 40 else 40, 1)
-    assert torch.equal(grown[:M], x) and torch.equal(grown[M:], x.repeat(timed_rows // M + 1, 1)[M:timed_rows])
-
-
-def test_rows_with_a_short_stride_grow_into_aligned_rows():
-    # A broadcast row (stride 0) is legal input; the grown copy packs rows 16-byte aligned, as TMA needs.
-    x = torch.randn(100, dtype=torch.bfloat16).as_strided((3, 100), (0, 1))
-    grown = bucket_rows(x)
-    assert grown.shape == (4, 100) and grown.stride() == (104, 1)  # 208 bytes per row
-    assert torch.equal(grown, x[:1].expand(4, 100))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusedserve.models import MLP, MLPConfig, ModelRunner, batch_buckets
+from fusedserve.models import MLP, MLPConfig, ModelRunner
 
 CONFIG = MLPConfig(in_features=17, hidden_features=(70, 3), out_features=5)
 MAX_BATCH = 100
@@ -23,12 +23,6 @@ def make_model(backend="torch", device="cpu", config=CONFIG):
     model.input_shift.uniform_(-1, 1)
     model.input_scale.uniform_(0.5, 2)
     return model
-
-
-def test_buckets_are_powers_of_two_then_the_maximum():
-    assert batch_buckets(1) == [1]
-    assert batch_buckets(8) == [1, 2, 4, 8]
-    assert batch_buckets(MAX_BATCH) == [1, 2, 4, 8, 16, 32, 64, 100]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, MAX_BATCH])
