@@ -30,7 +30,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
 from fusedserve.kernels import fused_linear  # noqa: E402
-from fusedserve.kernels.common import FP32_PRECISION_ENV  # noqa: E402
+from fusedserve.kernels.precision import FP32_PRECISION_ENV  # noqa: E402
 
 # The shipped digits model's layers (64-256-256-10) at serving batches, and square layers from
 # memory-bound to compute-bound.

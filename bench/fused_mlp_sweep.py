@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench.json_lines import JsonLines  # noqa: E402  (needs sys.path)
 from bench.model import build_pair  # noqa: E402
-from fusedserve.kernels import fused_mlp  # noqa: E402
-from fusedserve.kernels.common import gc_paused  # noqa: E402
+from fusedserve.kernels.triton import fused_mlp  # noqa: E402
+from fusedserve.kernels.device import gc_paused  # noqa: E402
 
 # (model, batch), most telling first (the issue-4 points that miss), in case the budget runs out.
 PLAN = (("digits", 8), ("mlp4x1024", 8), ("mlp4x1024", 64), ("mlp4x4096", 8), ("digits", 64),

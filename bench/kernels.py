@@ -35,8 +35,9 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from fusedserve.kernels import KERNELS, autotune_cache, fused_linear, kernel_choice, run_kernel  # noqa: E402  (needs sys.path)
-from fusedserve.kernels.common import dot_precision, gc_paused  # noqa: E402
+from fusedserve.kernels import KERNELS, fused_linear, kernel_choice, run_kernel, tune_cache  # noqa: E402  (sys.path)
+from fusedserve.kernels.device import gc_paused  # noqa: E402
+from fusedserve.kernels.precision import dot_precision  # noqa: E402
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
@@ -453,7 +454,7 @@ def main():
     repeats = 7 if args.quick else 15
     args.out.mkdir(parents=True, exist_ok=True)
     # Read when fusedserve first tunes, which is after this line.
-    os.environ[autotune_cache.ENV_VAR] = str(args.tune_cache or args.out / "tune_cache")
+    os.environ[tune_cache.ENV_VAR] = str(args.tune_cache or args.out / "tune_cache")
     t0 = time.perf_counter()
 
     copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
@@ -465,7 +466,7 @@ def main():
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
     def write(complete):  # after every shape too, so a run killed by its caller keeps what it measured
-        result = dict(gpu=gpu, tune_cache=os.environ[autotune_cache.ENV_VAR], date=date,
+        result = dict(gpu=gpu, tune_cache=os.environ[tune_cache.ENV_VAR], date=date,
                       torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
                       complete=complete, copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
         path.write_text(json.dumps(result, indent=1))

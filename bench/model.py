@@ -50,7 +50,8 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from fusedserve.kernels.common import dot_precision, gc_paused
+from fusedserve.kernels.device import gc_paused
+from fusedserve.kernels.precision import dot_precision
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model
 
 MODELS = ("digits", "mlp4x1024", "mlp4x4096")

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from fusedserve.kernels import dispatch  # noqa: E402  (needs sys.path)
-from fusedserve.kernels.common import dot_precision  # noqa: E402
-from fusedserve.kernels.selection import launcher  # noqa: E402
+from fusedserve.kernels.gluon import small_m as gluon_small_m, ws as gluon_ws  # noqa: E402  (needs sys.path)
+from fusedserve.kernels.precision import dot_precision  # noqa: E402
+from fusedserve.kernels.triton import small_m, tma_persistent  # noqa: E402
 
-KERNELS = (dispatch.GLUON_WS, dispatch.TMA_PERSISTENT, dispatch.GLUON_SMALL_M, dispatch.SMALL_M)
+MODULES = {m.NAME: m for m in (gluon_ws, tma_persistent, gluon_small_m, small_m)}
+KERNELS = tuple(MODULES)
 PEER = "cublaslt"
 
 
@@ -72,7 +73,7 @@ def main(argv=None):
             parser.error(f"--kernel {PEER} has no configs: cuBLASLt picks its own")
         module = config = None
     else:
-        module = launcher(args.kernel)
+        module = MODULES[args.kernel]
     if args.list:
         for i, config in enumerate(module.candidates(M, N, K, dtype)):
             print(i, json.dumps(config))

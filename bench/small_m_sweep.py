@@ -1,8 +1,8 @@
 """Sweep the weight-streaming kernel's configs with and without programmatic dependent launch
-(PDL) and the weight prefetch, next to cuBLAS, at small M: the data behind ``kernels.small_m``'s
+(PDL) and the weight prefetch, next to cuBLAS, at small M: the data behind ``kernels/triton/small_m.py``'s
 candidate lists. For M > 64 it sweeps the TMA persistent kernel's candidates instead. With
-``--kernel gluon`` it sweeps ``kernels.gluon_small_m`` (Hopper) at M <= 64 instead; with ``--kernel
-ws`` (past M=64) the warp-specialized ``kernels.gluon_ws`` next to the TMA persistent kernel.
+``--kernel gluon`` it sweeps ``kernels/gluon/small_m.py`` (Hopper) at M <= 64 instead; with ``--kernel
+ws`` (past M=64) the warp-specialized ``kernels/gluon/ws.py`` next to the TMA persistent kernel.
 
 Run on a CUDA GPU from the repository root (stops starting new configs after --budget-s):
 
@@ -31,14 +31,16 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
 from bench.json_lines import JsonLines  # noqa: E402
-from fusedserve.kernels import dispatch, gluon_small_m, gluon_ws, small_m, tma_persistent  # noqa: E402
+from fusedserve.kernels.gluon import small_m as gluon_small_m, ws as gluon_ws  # noqa: E402
+from fusedserve.kernels.rules import SMS  # noqa: E402
+from fusedserve.kernels.triton import small_m, tma_persistent  # noqa: E402
 
 # (M, N, K), most telling first, in case the budget runs out.
 PLAN = ((1, 4096, 4096), (16, 4096, 4096), (4, 4096, 4096), (1, 1024, 1024), (8, 1024, 1024),
         (64, 4096, 4096), (32, 4096, 4096), (1, 11008, 4096), (16, 8192, 8192), (512, 4096, 4096),
         (128, 4096, 4096), (1024, 4096, 4096), (64, 1024, 1024))
 # Tensor-core tiles (BLOCK_N, BLOCK_K, num_stages, num_warps) and GEMV tiles (BLOCK_N, BLOCK_K,
-# num_warps, num_stages), wider than kernels.small_m's candidate lists, which come from this sweep.
+# num_warps, num_stages), wider than kernels/triton/small_m.py's candidate lists, which come from this sweep.
 TC_TILES = ((16, 256, 4, 4), (16, 512, 3, 4), (32, 256, 4, 4), (32, 128, 6, 4), (64, 128, 5, 4), (64, 256, 3, 4))
 GEMV_TILES = ((16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4), (8, 1024, 4, 2),
               (16, 1024, 8, 2), (4, 1024, 4, 3))
@@ -58,7 +60,7 @@ def sweep_configs(M, N):
         for bn, bk, warps, stages in GEMV_TILES:
             gemv = [dict(GEMV=True, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=warps, num_stages=stages)
                     for s in (1, 2, 4) if triton.cdiv(N, bn) * s <= MAX_PROGRAMS]
-            # One row: also with W read as int32 pairs of bf16 (kernels.small_m._w_tile).
+            # One row: also with W read as int32 pairs of bf16 (small_m._w_tile).
             configs += gemv + ([dict(c, PAIRS=True) for c in gemv] if M == 1 else [])
     return configs
 
@@ -70,7 +72,7 @@ def gluon_configs(M, N, K):
         for stages in sorted({min(12, deepest), 4 if (bn, bk) == (64, 128) else deepest}):
             if 3 <= stages <= deepest:
                 configs += [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, STAGES=stages, num_warps=4)
-                            for s in (1, 2, 4, 8) if triton.cdiv(N, bn) * s <= 4 * dispatch.SMS
+                            for s in (1, 2, 4, 8) if triton.cdiv(N, bn) * s <= 4 * SMS
                             and (s == 1 or triton.cdiv(K, bk) >= 2 * s)]
     return configs
 

@@ -1,5 +1,5 @@
 """Does the tuner pick what the benchmark finds fastest? For each shape the tuner's own timing
-(``autotune_cache.time_configs`` over every candidate kernel and config, as ``fused_linear`` tunes
+(``tuning.time_configs`` over every candidate kernel and config, as ``fused_linear`` tunes
 on a first call, at the batch bucket's largest M) is repeated ``--rounds`` times; then every round's pick and the configs the tuner
 ranked best are timed again the way ``bench/kernels.py`` times an impl (fresh random sets, CUDA-graph
 replays, interleaved rounds), next to cuBLASLt's fused epilogue.
@@ -26,8 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import kernels as kbench  # noqa: E402  (needs sys.path)
 from bench.json_lines import JsonLines  # noqa: E402
-from fusedserve.kernels import autotune_cache, dispatch, selection  # noqa: E402
-from fusedserve.kernels.fused_linear import _tma_aligned  # noqa: E402
+from fusedserve.kernels import choosing, registry  # noqa: E402
+from fusedserve.kernels.family import config_str  # noqa: E402
+from fusedserve.kernels.rules import bucket_rows, problem_of  # noqa: E402
+from fusedserve.kernels.timers import default_timer  # noqa: E402
+from fusedserve.kernels.tuning import rotating_sets, time_configs  # noqa: E402
 
 
 def _shapes(text):
@@ -35,25 +38,25 @@ def _shapes(text):
 
 
 def _key(kernel, config):
-    return kernel, autotune_cache.config_str(config) if config is not None else ""
+    return kernel, config_str(config)
 
 
 def tuner_rounds(M, N, K, dtype, rounds, sets):
     """``rounds`` times the tuner's full timing on copies of the first set: [(pick, first-pass)]."""
     x, w, b = sets[0]
-    kernels = selection.candidates(M, N, K, dtype, x.device, _tma_aligned(x, w))
-    x_timed = dispatch.bucket_rows(x)  # as selection.choose times a bucket: at its largest M
-    options = selection.options(kernels, x_timed.shape[0], N, K, dtype)
+    x_timed = bucket_rows(x)  # as choosing times a bucket: at its largest M
+    problem = problem_of(x_timed, w)
+    options = [(f.name, c) for f in registry.offered(problem_of(x, w)) for c in f.candidates(problem)]
     results = []
     for _ in range(rounds):
-        copies = selection._rotating_sets(x_timed, w, b)
+        copies = rotating_sets(x_timed, w, b)
         turn = iter(range(1 << 62))
 
         def run(option, copies=copies, turn=turn):
             xs, ws, bs = copies[next(turn) % len(copies)]
-            return selection.launch(option[0], option[1], xs, ws, bs, "relu")
+            return choosing.launch(choosing.Choice(*option, tuned=False), xs, ws, bs, "relu")
 
-        timings, best = autotune_cache.time_configs(options, run, timer=autotune_cache.default_timer(len(copies)))
+        timings, best = time_configs(options, run, timer=default_timer(len(copies)))
         del copies
         results.append((best, sorted(timings, key=lambda t: t[0])))
     return results
@@ -95,7 +98,8 @@ def main():
             graphs = {}
             for key in chosen:
                 name, config = options[key]
-                fn = lambda x, w, b, name=name, config=config: selection.launch(name, config, x, w, b, "relu")  # noqa: E731
+                choice = choosing.Choice(name, config, tuned=False)
+                fn = lambda x, w, b, choice=choice: choosing.launch(choice, x, w, b, "relu")  # noqa: E731
                 kbench.check(fn, *sets[0])
                 graphs[key] = kbench.capture(fn, sets, M, N, K, dtype)
             peer = lambda x, w, b: torch._addmm_activation(b, x, w.t())  # noqa: E731

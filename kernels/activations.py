@@ -1,22 +1,22 @@
-"""Activations applied in the GEMM epilogue, shared by every fused-linear kernel.
-
-The kernels take the activation as a ``tl.constexpr`` string, so each choice compiles to its own
-specialised epilogue with no branch at run time.
+"""The activations a layer may apply, in one table: what torch computes (the reference the kernels
+are tested against, and what the torch backend runs) and, in ``apply_activation``, what every
+kernel's epilogue computes. The Triton and the Gluon kernels all compile ``_activate``, whose ``else``
+branch fails the compile, so a name added to the table alone cannot run as the identity.
 """
 
+import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.experimental import gluon
 
-ACTIVATIONS = ("none", "relu", "gelu", "silu")
-
-# What each activation computes, in torch: the reference the kernels are tested against, and what
-# the torch code paths (empty K, the torch backend) apply.
-TORCH_ACTIVATIONS = {
+ACTIVATIONS = {
     "none": lambda y: y,
     "relu": F.relu,
     "gelu": lambda y: F.gelu(y, approximate="tanh"),
     "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
 }
 
 # sqrt(2 / pi), the constant of the tanh approximation of GELU (a constexpr: jit code may only
@@ -24,15 +24,26 @@ TORCH_ACTIVATIONS = {
 _GELU_TANH_C = tl.constexpr(0.7978845608028654)
 
 
-@triton.jit
-def apply_activation(acc, ACTIVATION: tl.constexpr):
-    """act(acc) on an fp32 tile; ``gelu`` is the tanh approximation (torch's approximate="tanh")."""
+def _activate(acc, ACTIVATION: tl.constexpr):
+    """``ACTIVATIONS[ACTIVATION]`` of an fp32 tile, in fp32. Builtins only (``tl.sigmoid`` is a jit
+    function of its own), so the same source compiles as Triton and as Gluon, interpreter or not."""
     if ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0)
     elif ACTIVATION == "gelu":
-        # 0.5 * (1 + tanh(u)) == sigmoid(2u): avoids a tanh, which core Triton does not provide.
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u): core Triton has no tanh.
         u = _GELU_TANH_C * (acc + 0.044715 * acc * acc * acc)
-        acc = acc * tl.sigmoid(2.0 * u)
+        acc = acc * (1 / (1 + tl.exp(-(2.0 * u))))
     elif ACTIVATION == "silu":
-        acc = acc * tl.sigmoid(acc)
+        acc = acc * (1 / (1 + tl.exp(-acc)))
+    elif ACTIVATION == "sigmoid":
+        acc = 1 / (1 + tl.exp(-acc))
+    elif ACTIVATION == "tanh":
+        acc = 2.0 / (1 + tl.exp(-2.0 * acc)) - 1.0
+    else:
+        tl.static_assert(ACTIVATION == "none", "apply_activation has no branch for this activation")
     return acc
+
+
+# The epilogue of the Triton kernels and, compiled from the same source, of the Gluon kernels.
+apply_activation = triton.jit(_activate)
+apply_activation_gluon = gluon.jit(_activate)

@@ -23,7 +23,7 @@ def check_args(x, weight, bias, activation):
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     if x.dim() < 1:
         raise ValueError("x must have at least 1 dimension ([..., K]), got a 0-d tensor")
     if weight.dim() != 2:

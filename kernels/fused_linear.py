@@ -1,20 +1,21 @@
 """``fused_linear``: the one entry point for ``Y = act(X @ W^T + b)`` on our kernels.
 
-It checks arguments, flattens ``[..., K]`` inputs to ``[M, K]``, finds the candidate kernels for
-the shape and device (``kernels.dispatch``), takes the tuned (kernel, config) for the shape's
-batch bucket (``kernels.selection``: timed on first use, then cached on disk) and launches it.
+It checks arguments, flattens ``[..., K]`` inputs to ``[M, K]``, asks ``choosing`` which kernel
+family and config runs the problem (tuned once per batch bucket, then read from the tune cache)
+and launches it.
 """
 
 import math
+import sys
+import time
 
 import torch
 
-from fusedserve.kernels import dispatch, selection, tma_persistent
-from fusedserve.kernels.activations import TORCH_ACTIVATIONS
-from fusedserve.kernels.arguments import check_args, interpreting
-
-KERNELS = (dispatch.SMALL_M, dispatch.TILED, dispatch.TMA_PERSISTENT, dispatch.GLUON, dispatch.GLUON_SMALL_M,
-           dispatch.GLUON_WS)
+from fusedserve.kernels import choosing, registry
+from fusedserve.kernels.activations import ACTIVATIONS
+from fusedserve.kernels.arguments import check_args
+from fusedserve.kernels.choosing import Choice
+from fusedserve.kernels.rules import problem_of, problem_of_shape
 
 
 def _unit_column_stride(t):
@@ -40,91 +41,89 @@ def _degenerate(x2d, weight, bias, activation):
         acc = torch.zeros((M, N), device=x2d.device, dtype=torch.float32)
         if bias is not None:
             acc += bias.float()
-        return TORCH_ACTIVATIONS[activation](acc).to(x2d.dtype)
+        return ACTIVATIONS[activation](acc).to(x2d.dtype)
     return None
-
-
-def _tma_aligned(x2d, weight):
-    # The output is a fresh contiguous tensor: only its row length can break TMA's alignment.
-    return (weight.shape[0] * x2d.element_size()) % 16 == 0 and tma_persistent.tma_compatible(x2d, weight)
 
 
 def fused_linear(x, weight, bias=None, activation="relu", *, static_weight=False):
     """``Y = act(X @ W^T + b)`` with bias and activation fused into the GEMM epilogue.
 
     x: ``[..., K]``; weight: ``[N, K]`` (``nn.Linear`` layout); bias: ``[N]`` or None; activation:
-    one of ``ACTIVATIONS`` ("gelu" is the tanh approximation). float32/float16/bfloat16, all the
-    same dtype; returns ``[..., N]`` in x's dtype. float32 is as accurate as torch's: plain TF32
-    only when ``torch.backends.cuda.matmul.allow_tf32`` is True, else 3xTF32 on the tensor cores
-    (or exact CUDA-core products with ``FUSEDSERVE_FP32_PRECISION=ieee``; see
-    ``kernels.common.dot_precision``). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
-    The first call for a new batch bucket on a GPU times the candidate kernels and configs, at the
-    bucket's largest batch (``kernels.tune`` does that ahead of time).
+    a name in ``ACTIVATIONS`` ("gelu" is the tanh approximation). float32/float16/bfloat16, all the
+    same dtype; returns ``[..., N]`` in x's dtype. float32 is as accurate as torch's (see
+    ``fusedserve.kernels.precision``). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+    The first call in a new batch bucket on a GPU times the candidate kernels and configs at the
+    bucket's largest batch (``tune`` does that ahead of time).
 
-    On compute capability 9.0+ the kernels are programmatic dependent launches (they wait for the
-    previous kernel on the stream before reading anything). ``static_weight=True`` promises that
-    no kernel still in flight on the stream writes ``weight`` (true of a served model's layers):
-    the weight-streaming kernel then starts reading W before that wait, overlapping the previous
-    kernel's end.
+    ``static_weight=True`` promises that no kernel still in flight on the stream writes ``weight``
+    (true of a served model's layers): on sm_90+, where every kernel is a programmatic dependent
+    launch, the weight-streaming kernels then start reading W before waiting on the previous one.
     """
+    return fused_linear_with_choice(x, weight, bias, activation, static_weight=static_weight)[0]
+
+
+def fused_linear_with_choice(x, weight, bias=None, activation="relu", *, static_weight=False
+                             ) -> tuple[torch.Tensor, Choice | None]:
+    """``fused_linear``'s result and the ``Choice`` that computed it (None when no kernel ran:
+    M, N or K is 0)."""
     check_args(x, weight, bias, activation)
     x2d, weight, bias, lead = _flatten(x, weight, bias)
     y = _degenerate(x2d, weight, bias, activation)
+    choice = None
     if y is None:
-        M, K = x2d.shape
-        kernels = selection.candidates(M, weight.shape[0], K, x2d.dtype, x2d.device, _tma_aligned(x2d, weight))
-        name, config = selection.choose(kernels, x2d, weight, bias, activation, static_weight)
-        y = selection.launch(name, config, x2d, weight, bias, activation, static_weight)
-    return y.reshape(*lead, weight.shape[0])
+        choice = choosing.choose(problem_of(x2d, weight), x2d, weight, bias, activation, static_weight)
+        y = choosing.launch(choice, x2d, weight, bias, activation, static_weight)
+    return y.reshape(*lead, weight.shape[0]), choice
 
 
 def run_kernel(name, x, weight, bias=None, activation="relu"):
-    """``fused_linear`` forced onto one kernel of ``KERNELS`` (for benchmarks and tests), its
-    config tuned the same way. Raises ValueError when that kernel cannot run these arguments."""
-    if name not in KERNELS:
-        raise ValueError(f"name must be one of {KERNELS}, got {name!r}")
+    """``fused_linear`` forced onto the kernel family ``name`` (benchmarks and tests), its config
+    tuned the same way. Raises ValueError when that family cannot run these arguments."""
+    if name not in registry.names():
+        raise ValueError(f"name must be one of {registry.names()}, got {name!r}")
     check_args(x, weight, bias, activation)
     x2d, weight, bias, lead = _flatten(x, weight, bias)
-    M, K = x2d.shape
-    N = weight.shape[0]
     y = _degenerate(x2d, weight, bias, activation)
     if y is not None:
-        return y.reshape(*lead, N)
-    half = x2d.dtype in (torch.float16, torch.bfloat16)
-    aligned = _tma_aligned(x2d, weight)
-    capability = selection.capability(x2d.device)
-    if name == dispatch.TMA_PERSISTENT and not (half and aligned and (capability is None or capability[0] == 9)):
-        raise ValueError(f"name {name!r} needs fp16/bf16, 16-byte aligned rows (N={N}, K={K}) and a Hopper "
-                         "GPU or the interpreter")
-    gluon_small = name == dispatch.GLUON_SMALL_M
-    if name in (dispatch.GLUON, dispatch.GLUON_SMALL_M, dispatch.GLUON_WS) and not (
-            aligned and selection.gluon_ok(M, N, K, x2d.dtype, x2d.device) and (not gluon_small or M <= dispatch.GLUON_SMALL_M_MAX)):
-        raise ValueError(f"name {name!r}: the Gluon kernel is unavailable or does not accept "
-                         f"M={M} N={N} K={K} {x2d.dtype} on {x2d.device}"
-                         + (f" (it takes at most {dispatch.GLUON_SMALL_M_MAX} rows)" if gluon_small else ""))
-    if not selection.options((name,), dispatch.tuning_rows(M), N, K, x2d.dtype):
-        raise ValueError(f"name {name!r} has no config for M={M} N={N} K={K} {x2d.dtype} (see its candidates())")
-    chosen, config = selection.choose((name,), x2d, weight, bias, activation)
-    return selection.launch(chosen, config, x2d, weight, bias, activation).reshape(*lead, N)
+        return y.reshape(*lead, weight.shape[0])
+    family = registry.family(name)
+    problem = problem_of(x2d, weight)
+    why = family.unfit(problem)
+    if why is not None:
+        raise ValueError(f"name {name!r} cannot run M={problem.M} N={problem.N} K={problem.K} {problem.dtype} "
+                         f"on {x2d.device}: {why}")
+    choice = choosing.choose(problem, x2d, weight, bias, activation, families=(family,))
+    return choosing.launch(choice, x2d, weight, bias, activation).reshape(*lead, weight.shape[0])
 
 
-def kernel_choice(M, N, K, dtype, device, *, static_weight=False):
-    """``(kernel name, config string)`` that ``fused_linear`` uses for contiguous ``[M, K]``
-    inputs of this dtype on ``device`` (``static_weight`` as passed to it). Before this batch
-    bucket has been tuned here it names the default kernel with config ""; under the interpreter
-    it names the fixed config used there."""
+def kernel_choice(M, N, K, dtype, device, *, static_weight=False) -> tuple[str, str]:
+    """``(kernel family, config string)`` that ``fused_linear`` uses for contiguous ``[M, K]``
+    inputs of ``dtype`` on ``device``: the tuned choice, or the default (config "") before this
+    batch bucket has been tuned here; under the interpreter, its fixed config."""
+    problem = problem_of_shape(M, N, K, dtype, device)
+    choice = choosing.cached(problem, torch.device(device), static_weight) or choosing.default(problem)
+    return choice.kernel, choice.describe()
+
+
+def tune(shapes, dtype=torch.bfloat16, device="cuda", activation="relu", progress=True):
+    """Run ``fused_linear`` once on every ``(M, N, K)`` in ``shapes``, so each batch bucket's choice
+    is timed and kept in the tune cache before serving; returns ``{(M, N, K): (kernel, config)}``.
+    With ``progress``, prints a line per shape to stderr as it finishes."""
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    for s in shapes:
+        if len(s) != 3 or min(s) < 1:
+            raise ValueError(f"shapes must be (M, N, K) triples of positive ints, got {s}")
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    M = max(M, 1)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    # Contiguous tensors from the caching allocator are 16-byte aligned; only the row lengths matter.
-    tma_aligned = (K * itemsize) % 16 == 0 and (N * itemsize) % 16 == 0
-    kernels = selection.candidates(M, N, K, dtype, device, tma_aligned)
-    if interpreting() or device.type != "cuda":
-        name = kernels[0]
-        return name, selection.describe(name, selection.LAUNCHERS[name].INTERPRET_CONFIG, M, N, K, device)
-    tuned = selection.cached_choice(kernels, M, N, K, dtype, device, static_weight)
-    if tuned is None:
-        return kernels[0], ""
-    return tuned[0], selection.describe(tuned[0], tuned[1], M, N, K, device)
+    chosen = {}
+    for i, (M, N, K) in enumerate(shapes, 1):
+        x = torch.randn(M, K, device=device).to(dtype)
+        w = (torch.randn(N, K, device=device) * K ** -0.5).to(dtype)
+        b = torch.randn(N, device=device).to(dtype)
+        start = time.perf_counter()
+        fused_linear(x, w, b, activation)
+        chosen[(M, N, K)] = kernel_choice(M, N, K, dtype, device)
+        if progress:
+            name, config = chosen[(M, N, K)]
+            print(f"[tune {i}/{len(shapes)}] M={M} N={N} K={K} {str(dtype).removeprefix('torch.')}: "
+                  f"{name} {config} ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    return chosen

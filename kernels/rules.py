@@ -1,4 +1,5 @@
-"""Shape rules every layer of fusedserve shares: the one bucket rule for batch sizes.
+"""Shape rules every layer of fusedserve shares: the problem a kernel family is asked to run, the
+row counts where the families compete, and the one bucket rule for batch sizes.
 
 A batch of ``rows`` is computed (and its kernels tuned) at the next power of two, capped: the
 model runner pads to ``bucket(rows, max_batch_size)`` and captures a CUDA graph per bucket, the
@@ -6,7 +7,71 @@ batcher keeps one compute time per bucket, and the kernels key their tuning on
 ``bucket(M, M_BUCKET_CAP)``.
 """
 
+from dataclasses import dataclass
+
 import torch
+
+from fusedserve.kernels.device import capability
+
+# The SM count the candidate rules are written for (an H200's): which splits of the work fill a wave.
+SMS = 132
+# Up to this many rows a layer is bound by reading W: the weight-streaming kernels are the default.
+SMALL_M_MAX = 64
+# Up to here tiled GEMMs may leave SMs idle or re-read W: the weight-streaming kernel competes too.
+MID_M_MAX = 512
+# Up to here the Gluon weight-streaming kernel (X tile of at most 128 rows) competes; past it the
+# layer is compute-bound and left to the persistent tiled kernels.
+GLUON_SMALL_M_MAX = 256
+# Past this many rows the warp-specialized Gluon kernel competes.
+GLUON_WS_MIN_M = 32
+_TMA_ALIGN = 16  # TMA's alignment of base addresses and row pitches, in bytes
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One layer ``act(X[M, K] @ W[N, K]^T + b)`` as the kernel families see it."""
+
+    M: int
+    N: int
+    K: int
+    dtype: torch.dtype
+    capability: tuple[int, int] | None  # CUDA compute capability; None under the interpreter
+    tma_aligned: bool  # X, W and the output meet TMA's 16-byte alignment rules
+
+    @property
+    def half(self) -> bool:
+        return self.dtype in (torch.float16, torch.bfloat16)
+
+    @property
+    def hopper(self) -> bool:
+        return self.capability is not None and self.capability[0] == 9
+
+    @property
+    def hopper_tma(self) -> bool:
+        """Whether the Hopper TMA kernels can run it: sm_90, fp16/bf16, TMA-aligned rows."""
+        return self.hopper and self.half and self.tma_aligned
+
+
+def tma_compatible(*tensors) -> bool:
+    """Whether 2-D ``tensors`` have unit column stride and 16-byte aligned base and row pitch."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % _TMA_ALIGN == 0 and (t.stride(0) * t.element_size()) % _TMA_ALIGN == 0
+               for t in tensors)
+
+
+def problem_of(x2d: torch.Tensor, weight: torch.Tensor) -> Problem:
+    """The problem of these arguments (``x2d [M, K]``, ``weight [N, K]``; the output will be a new
+    contiguous ``[M, N]``, so only its row pitch can break TMA's rules)."""
+    (M, K), N = x2d.shape, weight.shape[0]
+    aligned = (N * x2d.element_size()) % _TMA_ALIGN == 0 and tma_compatible(x2d, weight)
+    return Problem(M, N, K, x2d.dtype, capability(x2d.device), aligned)
+
+
+def problem_of_shape(M: int, N: int, K: int, dtype: torch.dtype, device) -> Problem:
+    """The problem of contiguous ``[M, K]`` and ``[N, K]`` tensors of ``dtype`` on ``device``
+    (the caching allocator's blocks are 16-byte aligned: only the row pitches can break TMA's rules)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    aligned = (K * itemsize) % _TMA_ALIGN == 0 and (N * itemsize) % _TMA_ALIGN == 0
+    return Problem(max(M, 1), N, K, dtype, capability(device), aligned)
 
 # Tuning keys bucket M up to this; larger batches share the biggest bucket's choice.
 M_BUCKET_CAP = 4096

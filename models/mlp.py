@@ -13,16 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedserve.kernels.activations import TORCH_ACTIVATIONS as KERNEL_TORCH_ACTIVATIONS
+from fusedserve.kernels.activations import ACTIVATIONS as TORCH_ACTIVATIONS
 
 BACKENDS = ("triton", "torch")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-# The torch reference of every activation a model may name: the kernels' own, plus two the torch
-# backend alone runs. The triton backend needs the name in ``kernels.ACTIVATIONS`` (checked when a
-# layer is built).
-TORCH_ACTIVATIONS = {**KERNEL_TORCH_ACTIVATIONS, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
 @dataclass(frozen=True)

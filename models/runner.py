@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from fusedserve.kernels.common import gc_paused
+from fusedserve.kernels.device import gc_paused
 from fusedserve.kernels.timing import LayerTiming, PendingEvents, TimingSink
 from fusedserve.kernels import rules
 from fusedserve.kernels.rules import batch_buckets
@@ -98,7 +98,7 @@ class ModelRunner:
             self._candidates = ("fused",)
         self._packed = None
         if self.fused:
-            from fusedserve.kernels.fused_mlp import pack_mlp
+            from fusedserve.kernels.triton.fused_mlp import pack_mlp
 
             layers = model.layers
             self._packed = pack_mlp([l.weight.detach() for l in layers], [l.bias.detach() for l in layers],
@@ -264,7 +264,7 @@ class ModelRunner:
         is set; ``marks`` (events, one more than layers): recorded before each layer and after the last."""
         x = self._input[:bucket]  # [bucket, in], raw float32
         if path == "fused":
-            from fusedserve.kernels.fused_mlp import fused_mlp_layer
+            from fusedserve.kernels.triton.fused_mlp import fused_mlp_layer
 
             model, packed, h = self.model, self._packed, x
             for i in range(packed.num_layers):  # [bucket, in] -> [bucket, hidden[i]] ... -> [bucket, out]
@@ -285,7 +285,7 @@ class ModelRunner:
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend != "triton":
             return self.model.normalize(x)
-        from fusedserve.kernels.normalize import normalize
+        from fusedserve.kernels.triton.normalize import normalize
 
         # One launch instead of torch's two or three elementwise ones, and the same bits.
         return normalize(x, self.model.input_shift, self.model.input_scale, self.dtype)
@@ -318,7 +318,7 @@ class ModelRunner:
     def _use_fused(self, fused: bool | None) -> bool:
         if fused is False or (fused is None and self.backend != "triton"):
             return False
-        from fusedserve.kernels.fused_mlp import fused_mlp_supported
+        from fusedserve.kernels.triton.fused_mlp import fused_mlp_supported
 
         fits = self.backend == "triton" and fused_mlp_supported(self.model.config.widths, self.dtype,
                                                                 self.device)
@@ -334,7 +334,7 @@ class ModelRunner:
             for path in tuple(self._candidates):
                 try:
                     if path == "fused":  # its layers' configs, timed in the whole chain
-                        from fusedserve.kernels.fused_mlp import tune_chain
+                        from fusedserve.kernels.triton.fused_mlp import tune_chain
 
                         tune_chain(self._input[:bucket], self._packed, self.model.input_shift,
                                    self.model.input_scale)
@@ -454,10 +454,11 @@ class ModelRunner:
             return fields
         layer = self.model.layers[layer_index]
         if path == "fused":
-            from fusedserve.kernels import fused_mlp
+            from fusedserve.kernels.family import config_str
+            from fusedserve.kernels.triton import fused_mlp
 
             config = fused_mlp.layer_config(bucket, self._packed, layer_index, self.device)
-            kernel, config = fused_mlp.NAME, fused_mlp.config_str(config)
+            kernel, config = fused_mlp.NAME, config_str(config)
         elif self.backend == "torch":
             kernel, config = ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")
         else:

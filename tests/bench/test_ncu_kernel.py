@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import ncu_kernel
-from fusedserve.kernels import gluon_ws
+from fusedserve.kernels.gluon import ws as gluon_ws
 
 
 def test_default_is_a_candidate_and_pick_numbers_them():

@@ -11,8 +11,9 @@ when TF32 is allowed, a bound on the error of rounding the inputs to TF32 (see _
 import pytest
 import torch
 
-from fusedserve.kernels import dispatch, fused_linear, kernel_choice, small_m, tiled, tma_persistent
-from fusedserve.kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
+from fusedserve.kernels import fused_linear, kernel_choice, timers
+from fusedserve.kernels.triton import small_m, tiled, tma_persistent
+from fusedserve.kernels.precision import FP32_PRECISION_ENV, FP32_PRECISIONS
 
 from .conftest import check_layers_in_cuda_graph, make
 
@@ -174,14 +175,14 @@ def test_dispatch_on_this_gpu():
     major = torch.cuda.get_device_capability()[0]
     # Once tuned (maybe by another test in this process), Gluon may win any bucket on Hopper.
     small = kernel_choice(8, 4096, 4096, torch.bfloat16, "cuda")[0]
-    assert small in ((dispatch.SMALL_M, dispatch.GLUON_SMALL_M, dispatch.GLUON) if major == 9
-                     else (dispatch.SMALL_M,)), small
+    assert small in (("triton_small_m", "gluon_small_m", "gluon_wgmma") if major == 9
+                     else ("triton_small_m",)), small
     # Past SMALL_M_MAX the tuned winner may be any candidate; before tuning it is the base kernel.
     mid = kernel_choice(512, 4096, 4096, torch.bfloat16, "cuda")[0]
-    assert mid in (dispatch.TMA_PERSISTENT if major == 9 else dispatch.TILED, dispatch.SMALL_M, dispatch.GLUON)
+    assert mid in ("triton_tma_persistent" if major == 9 else "triton_tiled", "triton_small_m", "gluon_wgmma")
     big = kernel_choice(8192, 4096, 4096, torch.bfloat16, "cuda")[0]
-    assert big in ((dispatch.TMA_PERSISTENT, dispatch.GLUON) if major == 9 else (dispatch.TILED,))
-    assert kernel_choice(8192, 4096, 4096, torch.float32, "cuda")[0] == dispatch.TILED
+    assert big in (("triton_tma_persistent", "gluon_wgmma") if major == 9 else ("triton_tiled",))
+    assert kernel_choice(8192, 4096, 4096, torch.float32, "cuda")[0] == "triton_tiled"
 
 
 def test_config_reported_after_tuning():
@@ -189,7 +190,7 @@ def test_config_reported_after_tuning():
     x, w, b = make(33, 512, 256, torch.float32)
     fused_linear(x, w, b)
     name, config = kernel_choice(33, 512, 256, torch.float32, x.device)
-    assert name == dispatch.SMALL_M and "BLOCK_N=" in config, (name, config)
+    assert name == "triton_small_m" and "BLOCK_N=" in config, (name, config)
 
 
 def test_cpu_tensors_need_the_interpreter():
@@ -207,8 +208,6 @@ def test_repeat_calls_are_deterministic():
 
 
 def test_graph_timer_times_replays_of_rotating_calls():
-    from fusedserve.kernels import autotune_cache
-
     sets = [make(16, 4096, 4096, torch.bfloat16, seed=s) for s in range(3)]
     calls = []
 
@@ -218,7 +217,7 @@ def test_graph_timer_times_replays_of_rotating_calls():
         return fused_linear(x, w, b)
 
     fused_linear(*sets[0])  # tune this bucket first: the timer must only see launches
-    sample = autotune_cache.graph_timer(run, len(sets))
+    sample = timers.graph_timer(run, len(sets))
     eager_and_captured = len(calls)
     ms = sample(4)
     assert len(calls) == eager_and_captured, "replays must not call run() again"

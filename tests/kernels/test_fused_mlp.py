@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
-from fusedserve.kernels import fused_mlp as fused_mlp_module
-from fusedserve.kernels import autotune_cache
-from fusedserve.kernels.common import FP32_PRECISION_ENV, FP32_PRECISIONS
-from fusedserve.kernels.fused_mlp import (
+from fusedserve.kernels import tuning
+from fusedserve.kernels.precision import FP32_PRECISION_ENV, FP32_PRECISIONS
+from fusedserve.kernels.triton import fused_mlp as fused_mlp_module
+from fusedserve.kernels.triton.fused_mlp import (
     _tune_key,
-    descend_chain,
     fused_mlp,
     fused_mlp_candidates,
     fused_mlp_config,
@@ -32,6 +31,8 @@ from fusedserve.kernels.fused_mlp import (
     sm_count,
     tune_chain,
 )
+from fusedserve.kernels.tune_cache import TuneCache
+from fusedserve.kernels.tuning import descend_chain
 
 
 def reference_mlp(x, weights, biases, shift, scale, activation="relu"):
@@ -112,18 +113,16 @@ def test_every_candidate_tile_matches_the_reference(widths, rows, dtype, tol):
 @pytest.mark.gpu
 @pytest.mark.parametrize("widths", [(64, 256, 256, 10), (100, 512, 70, 1030, 3), (130, 17)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 100, 130, 1000])  # every tile config
-@pytest.mark.parametrize("dtype, tol", [
+@pytest.mark.parametrize("dtype, tol, fp32_precision", [
     # TF32 off (torch's default): torch's products are exact, ours exact or 3xTF32 (2**-22 or so
-    # relative a product, kernels.common.dot_precision); the rest is summation order
-    (torch.float32, 1e-4),
-    (torch.float16, 1e-2),  # fp16 outputs (2**-11) rounded at each layer, K up to 1030
-    (torch.bfloat16, 6e-2),  # bf16 (2**-8) at each layer; both sides accumulate in fp32
+    # relative a product, fusedserve.kernels.precision.dot_precision); the rest is summation order
+    *[(torch.float32, 1e-4, precision) for precision in FP32_PRECISIONS],
+    (torch.float16, 1e-2, None),  # fp16 outputs (2**-11) rounded at each layer, K up to 1030
+    (torch.bfloat16, 6e-2, None),  # bf16 (2**-8) at each layer; both sides accumulate in fp32
 ])
-@pytest.mark.parametrize("fp32_precision", FP32_PRECISIONS)
 def test_fused_mlp_matches_layer_by_layer_on_gpu(widths, rows, dtype, tol, fp32_precision, monkeypatch):
-    if dtype != torch.float32 and fp32_precision != FP32_PRECISIONS[0]:
-        pytest.skip("16-bit dots have one precision")
-    monkeypatch.setenv(FP32_PRECISION_ENV, fp32_precision)
+    if fp32_precision is not None:  # (16-bit dots have one precision)
+        monkeypatch.setenv(FP32_PRECISION_ENV, fp32_precision)
     check(widths, rows, dtype, "cuda", tol)
 
 
@@ -249,8 +248,8 @@ def test_tune_chain_on_the_cpu_returns_the_defaults_untimed(monkeypatch):
     (17, torch.bfloat16, 6e-2),  # 17 to 64 rows; bf16 (2**-8) rounded at each layer
 ])
 def test_tune_chain_stores_one_config_per_layer_on_gpu(rows, dtype, tol, tmp_path, monkeypatch):
-    cache = autotune_cache.TuneCache(torch.cuda.get_device_name(), tmp_path)  # nothing tuned yet
-    monkeypatch.setattr(autotune_cache, "device_cache", lambda name: cache)
+    cache = TuneCache(torch.cuda.get_device_name(), tmp_path)  # nothing tuned yet
+    monkeypatch.setattr(fused_mlp_module, "device_cache", lambda name: cache)
     widths = (64, 256, 256, 10)
     weights, biases, shift, scale = random_mlp(widths, dtype, "cuda")
     packed = pack_mlp(weights, biases, "relu")
@@ -260,7 +259,7 @@ def test_tune_chain_stores_one_config_per_layer_on_gpu(rows, dtype, tol, tmp_pat
     assert stored == {_tune_key(rows, packed, i): configs[i] for i in range(3)}, stored
     for i, config in enumerate(configs):
         assert config in fused_mlp_candidates(rows, widths[i + 1], widths[i], dtype, sm_count("cuda")), config
-    monkeypatch.setattr(autotune_cache, "time_configs", lambda *args: pytest.fail("timed a tuned bucket"))
+    monkeypatch.setattr(tuning, "time_configs", lambda *args: pytest.fail("timed a tuned bucket"))
     assert tune_chain(x, packed, shift, scale) == configs
     got = fused_mlp(x, packed, shift, scale)  # launches the stored configs
     torch.testing.assert_close(got, fused_mlp(x, packed, shift, scale, configs), rtol=0, atol=0)
@@ -270,8 +269,8 @@ def test_tune_chain_stores_one_config_per_layer_on_gpu(rows, dtype, tol, tmp_pat
 
 @pytest.mark.gpu
 def test_tune_chain_keeps_a_layer_another_chain_tuned(tmp_path, monkeypatch):
-    cache = autotune_cache.TuneCache(torch.cuda.get_device_name(), tmp_path)
-    monkeypatch.setattr(autotune_cache, "device_cache", lambda name: cache)
+    cache = TuneCache(torch.cuda.get_device_name(), tmp_path)
+    monkeypatch.setattr(fused_mlp_module, "device_cache", lambda name: cache)
     descents = []
 
     def recorded_descent(candidates, run, timer=None):
@@ -310,18 +309,19 @@ def test_config_fills_the_sms_or_is_as_narrow_as_tl_dot_allows(M, N):
     assert programs >= 132 or (bm, bn) == (16, 16), f"M={M} N={N}: {programs} programs with {config}"
 
 
-# Compiles the layer kernel for sm_90 as a launch would (kernels._sm90) with every tuning candidate
+# Compiles the layer kernel for sm_90 as a launch would (fusedserve.kernels.sm90) with every tuning candidate
 # of one layer, and prints one line per config with what the tests check. Run in a child process:
 # under TRITON_INTERPRET=1 (this session's CPU set-up) kernels are interpreted objects that cannot
 # compile.
 COMPILE_SM90 = """
 import sys, torch
 from triton.runtime.jit import MockTensor
-from fusedserve.kernels._sm90 import compile_sm90, ptxas_usage
-from fusedserve.kernels.fused_mlp import _fused_mlp_layer_kernel, config_str, fused_mlp_candidates
+from fusedserve.kernels.sm90 import compile_sm90, ptxas_usage
+from fusedserve.kernels.family import config_str
+from fusedserve.kernels.triton.fused_mlp import _fused_mlp_layer_kernel, fused_mlp_candidates
 
 rows, N, dtype, normalize = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-# fp32: exact CUDA-core dots; fp32x3: the 3xTF32 tensor-core dots (kernels.common.dot_precision)
+# fp32: exact CUDA-core dots; fp32x3: the 3xTF32 tensor-core dots (fusedserve.kernels.precision.dot_precision)
 torch_dtype = {"fp32": torch.float32, "fp32x3": torch.float32, "bf16": torch.bfloat16}[dtype]
 precision = {"fp32": "ieee", "fp32x3": "tf32x3", "bf16": "tf32"}[dtype]
 K = 256  # a hidden width; a multiple of 16, as the launcher's aligned loads assume

@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusedserve.kernels import common
-from fusedserve.kernels.gluon_linear import (
-    GLUON_ACTIVATIONS,
+from fusedserve.kernels import ACTIVATIONS, device
+from fusedserve.kernels.gluon.wgmma import (
     GLUON_CONFIGS,
     LARGE_M,
     MEDIUM_M,
@@ -25,22 +24,12 @@ from fusedserve.kernels.gluon_linear import (
 def reference(x, weight, bias, activation):
     """act(x @ weight^T + bias) in float64: the answer both the kernel and torch are measured against."""
     y = x.double() @ weight.double().T
-    return torch_activation(y if bias is None else y + bias.double(), activation)
+    return ACTIVATIONS[activation](y if bias is None else y + bias.double())
 
 
 def torch_same_dtype(x, weight, bias, activation):
     """What torch itself computes in the input dtype, to measure torch's own rounding error."""
-    return torch_activation(F.linear(x, weight, None if bias is None else bias.to(x.dtype)), activation)
-
-
-def torch_activation(y, activation):
-    if activation == "relu":
-        return torch.relu(y)
-    if activation == "gelu":
-        return F.gelu(y, approximate="tanh")
-    if activation == "silu":
-        return F.silu(y)
-    return y
+    return ACTIVATIONS[activation](F.linear(x, weight, None if bias is None else bias.to(x.dtype)))
 
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -58,7 +47,7 @@ COMPILE_CASES = [("none", False), ("relu", True), ("relu", False), ("gelu", True
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation, has_bias", COMPILE_CASES)
 def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
-    from fusedserve.kernels._sm90_compile import compile_sm90
+    from fusedserve.kernels.gluon.sm90 import compile_wgmma as compile_sm90
 
     # Awkward sizes: M and K tails are handled by TMA clipping and zero fill, not by masks.
     compiled = compile_sm90(130, 1000, 136, dtype, cfg, activation, has_bias)
@@ -81,10 +70,10 @@ def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
 
 
 @pytest.mark.parametrize("cfg", GLUON_CONFIGS, ids=str)
-@pytest.mark.parametrize("activation", GLUON_ACTIVATIONS)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
 def test_no_register_spills(cfg, activation):
-    from fusedserve.kernels._sm90 import ptxas_usage
-    from fusedserve.kernels._sm90_compile import compile_sm90
+    from fusedserve.kernels.sm90 import ptxas_usage
+    from fusedserve.kernels.gluon.sm90 import compile_wgmma as compile_sm90
 
     # A spilled accumulator goes through local memory on every k-step: the kernel would crawl.
     compiled = compile_sm90(4096, 4096, 4096, torch.bfloat16, cfg, activation, True)
@@ -95,13 +84,6 @@ def test_no_register_spills(cfg, activation):
 
 
 # ---------------------------------------------------------------- host-side logic (CPU, CI)
-
-def test_activations_match_the_shared_list():
-    from fusedserve.kernels.activations import ACTIVATIONS
-
-    missing = set(ACTIVATIONS) - set(GLUON_ACTIVATIONS)
-    assert not missing, f"the Gluon epilogue lacks activations {sorted(missing)}"
-
 
 @pytest.mark.parametrize("M, N, num_sms, expected", [
     (1, 4096, 132, TINY_M),
@@ -127,9 +109,9 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        common.forget_devices()  # the kernels read a device's capability once, then keep it
+        device.forget_devices()  # the kernels read a device's capability once, then keep it
     yield install
-    common.forget_devices()
+    device.forget_devices()
 
 
 @pytest.mark.parametrize("capability, M, N, K, dtype, expected", [
@@ -158,7 +140,7 @@ def test_rejects_bad_arguments_on_cpu():
     with pytest.raises(TypeError, match="x2d"):
         gluon_fused_linear(x.numpy(), w)
     with pytest.raises(ValueError, match="activation"):
-        gluon_fused_linear(x, w, None, "tanh")
+        gluon_fused_linear(x, w, None, "softplus")
     with pytest.raises(ValueError, match="weight"):
         gluon_fused_linear(x, w[:, :100])
     with pytest.raises(ValueError, match="bias"):

@@ -8,7 +8,7 @@ PTX, shared memory and registers are checked.
 import pytest
 import torch
 
-from fusedserve.kernels import gluon_ws
+from fusedserve.kernels.gluon import ws as gluon_ws
 
 from .conftest import CHAIN_WIDTHS, check_against_float64, check_layers_in_cuda_graph, make
 
@@ -220,7 +220,7 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import MockTensor
 
-    from fusedserve.kernels._sm90 import compile_sm90
+    from fusedserve.kernels.sm90 import compile_sm90
 
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     meta = gluon_ws.kernel_meta(config, has_bias, activation, pdl)
@@ -232,7 +232,7 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
                                      (4096, 4096, 4096), (100, 136, 72)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
-    from fusedserve.kernels._sm90 import ptxas_usage
+    from fusedserve.kernels.sm90 import ptxas_usage
 
     for config in gluon_ws.candidates(M, N, K, torch.bfloat16):
         if config.get("PDL") is False:

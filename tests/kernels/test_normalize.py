@@ -4,7 +4,7 @@ bit-equal, under the interpreter on the CPU and on a GPU; its argument checks.""
 import pytest
 import torch
 
-from fusedserve.kernels.normalize import BLOCK, normalize
+from fusedserve.kernels.triton.normalize import BLOCK, normalize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -124,7 +124,7 @@ def test_triton_backend_under_the_interpreter_matches_torch(fused):
 
 
 def test_fused_warmup_tunes_the_chain_on_the_bucket_before_its_first_launch(monkeypatch):
-    from fusedserve.kernels import fused_mlp as fused_mlp_module
+    from fusedserve.kernels.triton import fused_mlp as fused_mlp_module
 
     calls = []
     tune_chain, fused_mlp_layer = fused_mlp_module.tune_chain, fused_mlp_module.fused_mlp_layer

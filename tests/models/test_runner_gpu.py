@@ -163,10 +163,12 @@ def test_compute_replays_the_graph_run_uses():
 
 
 def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp_path, monkeypatch):
-    from fusedserve.kernels import autotune_cache, fused_mlp
+    from fusedserve.kernels.family import config_str
+    from fusedserve.kernels.triton import fused_mlp
+    from fusedserve.kernels.tune_cache import TuneCache
 
-    cache = autotune_cache.TuneCache(torch.cuda.get_device_name(), tmp_path)  # nothing tuned yet
-    monkeypatch.setattr(autotune_cache, "device_cache", lambda name: cache)
+    cache = TuneCache(torch.cuda.get_device_name(), tmp_path)  # nothing tuned yet
+    monkeypatch.setattr(fused_mlp, "device_cache", lambda name: cache)
     sink = ListSink()
     runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, timing_sink=sink,
                          timing_sample_every=1, timing_min_interval_s=0, fused=True)
@@ -179,11 +181,11 @@ def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp
     assert len(sink.timings) == 6, sink.timings
     for t in sink.timings:  # the configs the captured graphs launch: the chain-tuned ones
         index = int(t.layer.removeprefix("layers."))
-        assert t.config == fused_mlp.config_str(cache.get(fused_mlp._tune_key(t.M, runner._packed, index))), t
+        assert t.config == config_str(cache.get(fused_mlp._tune_key(t.M, runner._packed, index))), t
 
 
 def test_automatic_choice_leaves_out_a_path_that_fails(monkeypatch, caplog):
-    from fusedserve.kernels import fused_mlp as fused_mlp_module
+    from fusedserve.kernels.triton import fused_mlp as fused_mlp_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("stand-in for a kernel that cannot launch here")

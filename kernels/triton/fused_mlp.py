@@ -6,8 +6,7 @@ activation after the last layer. Layer-by-layer torch needs two extra launches f
 normalization and one per activation; here each layer is exactly one launch, and layer 0 reads the
 raw float32 input and normalizes it while loading (rounded to the model dtype, as
 ``MLP.normalize`` does). Each launch spreads its layer over a grid of ``BLOCK_M x BLOCK_N`` output
-tiles, so even a batch of 1 uses many SMs (a single program walking every layer, the previous
-design, streamed all the weights through one SM: ~130 us for the digits model on an H200).
+tiles, so even a batch of 1 uses many SMs.
 
 Under a CUDA graph the chain replays as ``len(layers)`` kernel nodes with no Python in between.
 On Hopper and later the layers are launched with programmatic dependent launch: each layer lets
@@ -19,7 +18,6 @@ Every layer's weights are packed into one buffer (``pack_mlp``) once, when the r
 
 from __future__ import annotations
 
-import os
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -27,10 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedserve.kernels import autotune_cache, dispatch
 from fusedserve.kernels.activations import ACTIVATIONS, apply_activation
-from fusedserve.kernels.arguments import check_normalization
-from fusedserve.kernels.common import cuda_name, cuda_sm_count, dot_acc, dot_precision, launch_dependents_then_wait, pdl_supported
+from fusedserve.kernels.arguments import check_normalization, interpreting
+from fusedserve.kernels.device import cuda_name, cuda_sm_count, pdl_supported
+from fusedserve.kernels.precision import dot_precision
+from fusedserve.kernels.rules import SMS, m_bucket
+from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
+from fusedserve.kernels.tune_cache import device_cache
+from fusedserve.kernels.tuning import descend_chain
 
 NAME = "triton_fused_mlp"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -54,15 +56,14 @@ def fused_mlp_supported(widths, dtype, device) -> bool:
     """Whether ``fused_mlp`` takes a model of these feature widths (input first) on this device:
     any widths in float32/float16/bfloat16, on CUDA or on the CPU under ``TRITON_INTERPRET=1``."""
     device = torch.device(device)
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     return (dtype in _DTYPES and len(widths) >= 2
-            and (device.type == "cuda" or (device.type == "cpu" and interpreting)))
+            and (device.type == "cuda" or (device.type == "cpu" and interpreting())))
 
 
 def pack_mlp(weights, biases, activation: str) -> PackedMLP:
     """Pack ``[W_0, W_1, ...]`` (``nn.Linear`` layout) and ``[b_0, b_1, ...]`` for ``fused_mlp``."""
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     if not weights or len(weights) != len(biases):
         raise ValueError(f"weights and biases must be non-empty lists of equal length, got "
                          f"{len(weights)} and {len(biases)}")
@@ -88,7 +89,7 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
     )
 
 
-def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = dispatch.SMS) -> dict:
+def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = SMS) -> dict:
     """The first tile config tried for one ``[M, N]`` layer output, and the one used wherever
     nothing is timed (the interpreter, a batch bucket ``tune_chain`` has not tuned). Small batches are
     latency-bound: narrow tiles, so a layer gets many programs (a 256-wide layer at batch 1 gets 16),
@@ -121,7 +122,7 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = dispatch.SMS
 _FMA_ELEMENTS = 16384
 
 
-def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = dispatch.SMS) -> list[dict]:
+def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = SMS) -> list[dict]:
     """Tile configs ``tune_chain`` times for one layer (``fused_mlp_config`` first), at most 7.
     Up to 16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep
     (``bench/fused_mlp_sweep.py``; 64 deep for a narrow K, 256 deep with 2 warps for the
@@ -179,7 +180,7 @@ def _tune_key(M: int, packed: PackedMLP, index: int) -> str:
     K, N = packed.widths[index], packed.widths[index + 1]
     dtype = packed.weights.dtype
     role = ("normalize+" if index == 0 else "") + (packed.activation if index < packed.num_layers - 1 else "none")
-    return (f"{NAME}|M{dispatch.m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}|{role}"
+    return (f"{NAME}|M{m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}|{role}"
             f"|{dot_precision(dtype)}")
 
 
@@ -187,7 +188,7 @@ def _timed_config(M: int, packed: PackedMLP, index: int, device: torch.device) -
     """The config ``tune_chain`` stored for this layer's batch bucket on this GPU model, or None."""
     if device.type != "cuda":
         return None
-    tuned = autotune_cache.device_cache(cuda_name(device)).get(_tune_key(M, packed, index))
+    tuned = device_cache(cuda_name(device)).get(_tune_key(M, packed, index))
     return None if tuned is None else dict(tuned)
 
 
@@ -201,26 +202,6 @@ def layer_config(M: int, packed: PackedMLP, index: int, device) -> dict:
     ``tune_chain`` stored once it has tuned this batch bucket here, else ``fused_mlp_config``."""
     device = torch.device(device)
     return _timed_config(M, packed, index, device) or _default_config(M, packed, index, device)
-
-
-def descend_chain(candidates: list[list[dict]], run, timer=None) -> list[dict]:
-    """Per-layer configs for a chain of layers, by coordinate descent on the whole chain's time.
-
-    ``candidates[i]``: layer i's configs, its default first. ``run(configs)`` runs the whole chain
-    once with one config per layer. Starting from every layer's default, each layer in turn times
-    ``run`` with each of its candidates in its place and the other layers at their current choice
-    (``autotune_cache.time_configs`` with ``timer``, CUDA-graph replays by default; on equal times
-    the earlier candidate wins) and keeps the fastest. A layer with one candidate is not timed.
-    """
-    # One pass: each layer's step times the current choice too, so the chain never ends slower
-    # than the defaults (as timed). A second pass would revisit layers whose later neighbours
-    # changed after their step, at twice the warm-up; not measured to pay.
-    chosen = [layer[0] for layer in candidates]
-    for index, layer in enumerate(candidates):
-        if len(layer) > 1:
-            _, chosen[index] = autotune_cache.time_configs(
-                layer, lambda config, index=index: run([*chosen[:index], config, *chosen[index + 1:]]), timer)
-    return chosen
 
 
 def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: torch.Tensor) -> list[dict]:
@@ -245,7 +226,7 @@ def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: t
     candidates = [[config] if config is not None else fused_mlp_candidates(M, N, K, dtype, sms)
                   for config, (K, N) in zip(tuned, pairwise(packed.widths))]
     configs = descend_chain(candidates, lambda configs: fused_mlp(x, packed, shift, scale, configs))
-    cache = autotune_cache.device_cache(cuda_name(device))
+    cache = device_cache(cuda_name(device))
     for index, config in enumerate(configs):
         if tuned[index] is None:
             cache.put(_tune_key(M, packed, index), config)
@@ -259,10 +240,6 @@ def sm_count(device) -> int:
     if device.type != "cuda":
         return 1
     return cuda_sm_count(device)
-
-
-def config_str(config: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in config.items())
 
 
 @triton.jit
@@ -393,7 +370,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
     config = dict(layer_config(M, packed, index, h.device) if config is None else config)
     config.setdefault("FMA", False)
     config.setdefault("num_stages", 3)
-    interpreting = h.device.type == "cpu"
+    on_cpu = h.device.type == "cpu"
     out = torch.empty(M, N, device=h.device, dtype=dtype)
     w_offset, b_offset = packed.offsets[index]
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
@@ -409,7 +386,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         ACTIVATION=packed.activation if index < packed.num_layers - 1 else "none",
         INPUT_PRECISION=dot_precision(dtype),
         # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
-        UPCAST_BF16=interpreting and dtype == torch.bfloat16,
+        UPCAST_BF16=on_cpu and dtype == torch.bfloat16,
         USE_PDL=pdl,
         STAGES=config["num_stages"],
         **config,

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from fusedserve.kernels.arguments import DTYPES, check_normalization, interpreting
-from fusedserve.kernels.common import launch_dependents_then_wait, pdl_supported
+from fusedserve.kernels.device import pdl_supported
+from fusedserve.kernels.triton.common import launch_dependents_then_wait
 
 NAME = "triton_normalize"
 # Elements per program: 8 per thread at 4 warps (two 16-byte fp32 vectors).

@@ -3,7 +3,7 @@
 ``Y[M, N] = act(X[M, K] @ W[N, K]^T + b[N])``. One program per SM walks output tiles in grouped
 order (GROUP_M tile rows share W tiles in L2); tiles are moved by TMA through host-side
 ``TensorDescriptor``s, which also zero-fill loads past the edges and clip stores, so no masks are
-needed. Needs 16-byte aligned base pointers and row strides (``tma_compatible``).
+needed. Needs 16-byte aligned base pointers and row strides (``rules.tma_compatible``).
 """
 
 import triton
@@ -11,7 +11,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedserve.kernels.activations import apply_activation
-from fusedserve.kernels.common import cuda_sm_count, launch_dependents_then_wait
+from fusedserve.kernels.device import cuda_sm_count
+from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.rules import SMALL_M_MAX
+from fusedserve.kernels.triton.common import launch_dependents_then_wait
 
 NAME = "triton_tma_persistent"
 
@@ -35,16 +38,7 @@ _INTERPRET_PROGRAMS = 3
 
 
 def candidates(M, N, K, dtype):
-    return CONFIGS  # 16-bit inputs only (see tma_compatible and kernels.dispatch)
-
-
-def tma_compatible(*tensors):
-    """TMA wants 16-byte aligned base addresses and row strides, and unit column strides (checked on
-    2-D tensors: x, the weight and the output)."""
-    for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return False
-    return True
+    return CONFIGS  # 16-bit inputs only (FAMILY.unfit)
 
 
 @triton.jit
@@ -102,8 +96,8 @@ def _tma_persistent_kernel(
 
 def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
            prefetch_weight=False):
-    """Run on checked 16-bit arguments that pass ``tma_compatible(x, weight, out)``, M >= 1.
-    ``input_precision`` is accepted for a uniform launcher signature; 16-bit dots ignore it."""
+    """Run on checked 16-bit arguments that pass ``rules.tma_compatible(x, weight, out)``, M >= 1.
+    (``input_precision`` and ``prefetch_weight`` are keywords every family takes; unused here.)"""
     M, K = x.shape
     N = weight.shape[0]
     meta = dict(SPLIT_STORE=False) | dict(config)
@@ -124,3 +118,14 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
         USE_PDL=pdl, **meta, **({"launch_pdl": True} if pdl else {}),
     )
     return out
+
+
+def _unfit(p):
+    if p.half and p.tma_aligned and (p.capability is None or p.hopper):
+        return None
+    return "it needs fp16/bf16, 16-byte aligned rows and a Hopper GPU or the interpreter"
+
+
+FAMILY = KernelFamily(NAME, unfit=_unfit, offered=lambda p: p.M > SMALL_M_MAX and p.hopper,
+                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
+                      interpret_config=INTERPRET_CONFIG)

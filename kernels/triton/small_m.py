@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedserve.kernels import dispatch
 from fusedserve.kernels.activations import apply_activation
-from fusedserve.kernels.common import dot_acc, launch_dependents_then_wait
+from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.rules import MID_M_MAX, SMS
+from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
 
 NAME = "triton_small_m"
 
@@ -37,22 +38,15 @@ def block_m(M):
 # peels the first step off the loop and holds its tile apart.
 _SMEM_BUDGET = 200 * 1024
 
-# Tiles measured on the H200 (bf16, N=K=4096 and 1024, M=1..64, 2026-12-02, bench/small_m_sweep.py
-# and its results in bench/results/small_m_sweep_h200.jsonl): with X^T only
-# 16..64 wide, 64-row W tiles won at every M from 4 to 64 (narrower ones double the X^T traffic
-# through shared memory for the same W bytes), 256-deep with 3 stages or 128-deep with 5, split
-# 1 or 2 ways. (BLOCK_N, BLOCK_K, num_stages). fp32 runs on FMAs or as (3x)TF32 (kernels.common.
-# dot_precision): only tiles that keep the accumulator in registers without spilling (ptxas, sm_90).
+# (BLOCK_N, BLOCK_K, num_stages) of the tensor-core variant, from bench/small_m_sweep.py (see
+# bench/KERNELS.md): with X^T 16..64 wide, 64-row W tiles won from M=4 to 64. fp32: only tiles that
+# keep the accumulator in registers without spilling on sm_90.
 _TILES = ((64, 256, 3), (64, 128, 5), (32, 256, 4), (128, 128, 3))
 _FP32_TILES = ((32, 256, 4), (32, 128, 6))
-# The GEMV variant (no tensor cores) for a handful of rows: the MMA would pad M to 16 and waste 15/16
-# of its work, and fp32 gets exact products without TF32. Up to GEMV_MAX_M rows it can run; it is a
-# tuning candidate up to _GEMV_TUNE_M rows (fp32 up to 16: there the tensor-core variant pads to 16
-# rows as well, and runs three products a step as 3xTF32; 16-bit up to 8: at 16 rows its FMAs take
-# as long as streaming W).
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): one row of X streams best with many small programs
-# each reading 16 KB tiles (8 x 1024 bf16: 9.9 us at N=K=4096 against 10.5 us for 16 x 512 on the
-# H200, with the weight prefetch).
+# The GEMV variant (no tensor cores) for a handful of rows, where the MMA would pad M to 16: it runs
+# up to GEMV_MAX_M rows and is a tuning candidate up to _GEMV_TUNE_M (16-bit past 8 rows its FMAs
+# take as long as streaming W). (BLOCK_N, BLOCK_K, num_warps, num_stages): one row streams best
+# from many small programs each reading 16 KB tiles.
 GEMV_MAX_M = 16
 _GEMV_TUNE_M = {torch.float32: 16, torch.float16: 8, torch.bfloat16: 8}
 _GEMV_TILES = ((8, 1024, 4, 2), (16, 512, 4, 3), (16, 1024, 8, 2), (4, 1024, 4, 3))
@@ -77,7 +71,7 @@ def _gemv_tiles(M, dtype):
 
 
 # Split K only while the grid stays within about 4 programs per SM of an H200 (132 SMs).
-_MAX_PROGRAMS = 4 * dispatch.SMS
+_MAX_PROGRAMS = 4 * SMS
 
 
 def _splits(programs, k_blocks, ways=(1, 2, 4, 8)):
@@ -268,9 +262,7 @@ def _w_tile(w_ptrs, kb, K, live, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, P
     PAIRS: ``w_ptrs`` point at [BLOCK_N, BLOCK_K // 2] int32 words, each two bf16 of W. A bf16 is
     the top half of an fp32, so each half becomes fp32 with one integer op (a shift for the low
     one, a mask for the high one) where ``cvt.f32.bf16`` compiles to more (sm_90: 1.6 instructions
-    an element against fp16's one HADD2.F32). The halves are interleaved back into K order.
-    Measured on an H200 (N=K=4096, one row, ``static_weight``, 2026-12-03): 8.81 us against 9.86
-    without the pairs in the same call (cuBLASLt 14.2); fp16 took 9.03 and 9.49 in those runs."""
+    an element). The halves are interleaved back into K order."""
     if PAIRS:
         p = kb * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         words = tl.load(w_ptrs, mask=((p < K // 2) & live)[None, :], other=0)
@@ -297,7 +289,7 @@ def _gemv_step(wide, wide3, w, x_ptr, x_rows, k, k_in, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _wait_then_load_bias(b_ptr, cols, N, USE_PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """In a programmatic dependent launch, wait for the previous kernel (see ``kernels.common``);
+    """In a programmatic dependent launch, wait for the previous kernel (``launch_dependents_then_wait``);
     then issue the load of the bias for output columns ``cols`` (fp32; zeros without a bias). It is
     issued before the main loop and used after it, so its trip to memory overlaps the loop instead
     of adding to every program's tail."""
@@ -407,3 +399,8 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     else:
         _small_m_kernel[grid](*common, INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, **flags, **meta)
     return out
+
+
+FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=lambda p: p.M <= MID_M_MAX,
+                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
+                      interpret_config=INTERPRET_CONFIG)

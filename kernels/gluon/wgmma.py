@@ -12,31 +12,30 @@ Only the launcher touches CUDA, so importing this module works on a CPU-only mac
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
+
+from fusedserve.kernels.activations import ACTIVATIONS, apply_activation_gluon
+from fusedserve.kernels.device import cuda_capability, cuda_sm_count
+from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.gluon.common import (
+    TORCH_TO_GL,
     fence_async_shared,
+    gl,
+    gluon,
+    hopper_unfit,
     mbarrier,
+    tile_coords,
     tma,
+    tma_descriptor,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from fusedserve.kernels.rules import SMS
 
-from fusedserve.kernels.common import cuda_capability, cuda_sm_count
-
-GLUON_ACTIVATIONS = ("none", "relu", "gelu", "silu")
-
-_TORCH_TO_GL = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-
-# sqrt(2 / pi), the constant of the tanh approximation of GELU (torch's approximate="tanh").
-_GELU_TANH_C: gl.constexpr = gl.constexpr(0.7978845608028654)
-
+NAME = "gluon_wgmma"
 # TMA needs every non-inner stride and the base address 16-byte aligned.
 _TMA_ALIGN_BYTES = 16
 
@@ -77,18 +76,6 @@ def _acc_layout(BLOCK_M, BLOCK_N, num_warps):
 
 
 @gluon.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    # Grouped order: GROUP_M row-tiles share each W column-tile while it is in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = tile // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile % num_pid_in_group) % group_size_m
-    pid_n = (tile % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
-@gluon.jit
 def _issue_load(x_desc, w_desc, x_bufs, w_bufs, ready, g, off_m, off_n, k, STAGES: gl.constexpr, pred):
     # k-slice number g (counted across tiles) goes to stage g % STAGES.
     slot = g % STAGES
@@ -104,24 +91,11 @@ def _issue_prologue(x_desc, w_desc, x_bufs, w_bufs, ready, base, tile, num_tiles
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     # Fill the first STAGES - 1 stages for `tile` (predicated off past the last tile or past K).
     # Past the last tile the loads are predicated off; clamping keeps the tile arithmetic in range.
-    pid_m, pid_n = _tile_coords(gl.minimum(tile, num_tiles - 1), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(gl.minimum(tile, num_tiles - 1), num_pid_m, num_pid_n, GROUP_M)
     for s in gl.static_range(STAGES - 1):
         pred = (tile < num_tiles) & (s < k_tiles)
         _issue_load(x_desc, w_desc, x_bufs, w_bufs, ready, base + s, pid_m * BLOCK_M, pid_n * BLOCK_N,
                     s * BLOCK_K, STAGES, pred)
-
-
-@gluon.jit
-def _activation(acc, ACTIVATION: gl.constexpr):
-    if ACTIVATION == "relu":
-        acc = gl.maximum(acc, 0.0)
-    elif ACTIVATION == "gelu":
-        # x * sigmoid(2u) == 0.5 * x * (1 + tanh(u)), u = c * (x + 0.044715 x^3).
-        u = _GELU_TANH_C * (acc + 0.044715 * acc * acc * acc)
-        acc = acc / (1.0 + gl.exp(-2.0 * u))
-    elif ACTIVATION == "silu":
-        acc = acc / (1.0 + gl.exp(-acc))
-    return acc
 
 
 @gluon.jit
@@ -166,7 +140,7 @@ def gluon_linear_kernel(
                     num_pid_n, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M)
 
     for tile in range(first_tile, num_tiles, step):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
 
@@ -195,7 +169,7 @@ def gluon_linear_kernel(
             offs_n = off_n + gl.arange(0, BLOCK_N, layout=bias_layout)
             bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
             acc = acc + gl.expand_dims(bias, 0)
-        acc = _activation(acc, ACTIVATION)
+        acc = apply_activation_gluon(acc, ACTIVATION)
         # The previous tile's TMA store must have finished reading y_smem before it is overwritten.
         tma.store_wait(pendings=0)
         gl.thread_barrier()
@@ -234,7 +208,7 @@ def gluon_supported(M: int, N: int, K: int, dtype: torch.dtype, device: torch.de
         return False
     if cuda_capability(device)[0] != 9:
         return False
-    if dtype not in _TORCH_TO_GL:
+    if dtype not in TORCH_TO_GL:
         return False
     elem = dtype.itemsize
     # K * elem is X's and W's row pitch, N * elem is Y's: TMA wants both 16-byte aligned.
@@ -248,19 +222,6 @@ def _check_tma_operand(t: torch.Tensor, name: str) -> None:
     if (t.stride(0) * t.element_size()) % _TMA_ALIGN_BYTES or t.data_ptr() % _TMA_ALIGN_BYTES:
         raise ValueError(f"{name}: row pitch and base address must be 16-byte aligned for TMA "
                          f"(strides {t.stride()}, dtype {t.dtype}); pass a contiguous copy")
-
-
-def tma_descriptor(t, block) -> TensorDescriptor:
-    """A TMA descriptor of 2-D ``t`` (a tensor or a MockTensor) in ``block`` tiles, with the
-    default swizzled shared-memory layout for its dtype."""
-    return TensorDescriptor.from_tensor(t, list(block), _shared_layout(tuple(block), t.dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block, dtype):
-    # A frozen dataclass, so one per (block, dtype) serves every launch; building it costs ~10 us of
-    # host time, twice or three times per eager call otherwise.
-    return gl.NVMMASharedLayout.get_default_for(list(block), _TORCH_TO_GL[dtype])
 
 
 def make_launch_args(x2d, weight, bias, y, cfg: GluonConfig, activation: str):
@@ -283,21 +244,36 @@ def gluon_fused_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     result (preallocated buffers keep CUDA-graph replays free of allocations). ``config`` overrides
     the tile config that ``gluon_config`` would pick (for benchmarks sweeping ``GLUON_CONFIGS``).
     """
-    if not isinstance(x2d, torch.Tensor):
-        raise TypeError(f"x2d: expected a torch.Tensor, got {type(x2d).__name__}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
+    _check_arguments(x2d, weight, bias, activation, config)
+    M, N = x2d.shape[0], weight.shape[0]
+    y = _output(out, M, N, x2d)
+    if M == 0:
+        return y
+    for t, name in ((x2d, "x2d"), (weight, "weight"), (y, "out")):
+        _check_tma_operand(t, name)
+    cfg = config if config is not None else gluon_config(M, N, x2d.shape[1], x2d.device)
+    args, meta = make_launch_args(x2d, weight, None if bias is None else bias.contiguous(), y, cfg, activation)
+    num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    with torch.cuda.device(x2d.device):
+        gluon_linear_kernel[(min(num_tiles, cuda_sm_count(x2d.device)), )](*args, **meta)
+    return y
+
+
+def _check_arguments(x2d, weight, bias, activation, config) -> None:
+    """TypeError or ValueError naming the first argument ``gluon_fused_linear`` cannot take."""
+    for name, t in (("x2d", x2d), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
-    if activation not in GLUON_ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {GLUON_ACTIVATIONS}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {activation!r}")
     if config is not None and not isinstance(config, GluonConfig):
         raise TypeError(f"config: expected a GluonConfig or None, got {type(config).__name__}")
     if x2d.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x2d, weight: expected 2-D tensors, got shapes {tuple(x2d.shape)} and "
                          f"{tuple(weight.shape)}")
-    M, K = x2d.shape
-    N = weight.shape[0]
+    (M, K), N = x2d.shape, weight.shape[0]
     if weight.shape[1] != K:
         raise ValueError(f"weight: expected [N, {K}] to match x2d [M, {K}], got {tuple(weight.shape)}")
     if weight.dtype != x2d.dtype:
@@ -305,36 +281,42 @@ def gluon_fused_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if weight.device != x2d.device:
         raise ValueError(f"weight: on {weight.device}, x2d on {x2d.device}")
     if bias is not None:
-        if bias.shape != (N,):
-            raise ValueError(f"bias: expected shape ({N},), got {tuple(bias.shape)}")
-        if bias.dtype not in (torch.float32, x2d.dtype):
-            raise TypeError(f"bias: expected float32 or {x2d.dtype}, got {bias.dtype}")
-        if bias.device != x2d.device:
-            raise ValueError(f"bias: on {bias.device}, x2d on {x2d.device}")
-        bias = bias.contiguous()
+        _check_bias(bias, N, x2d)
     if not gluon_supported(max(M, 1), N, K, x2d.dtype, x2d.device):
         raise ValueError(f"x2d: the Gluon kernel needs a compute-capability 9.x CUDA device, fp16/bf16 and "
                          f"K, N whose rows are multiples of 16 bytes; got device {x2d.device}, dtype "
                          f"{x2d.dtype}, N={N}, K={K}")
-    if out is None:
-        y = torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
-    else:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
-        if out.shape != (M, N) or out.dtype != x2d.dtype or out.device != x2d.device or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous ({M}, {N}) {x2d.dtype} tensor on {x2d.device}, got "
-                             f"{tuple(out.shape)} {out.dtype} on {out.device}")
-        y = out
-    if M == 0:
-        return y
-    _check_tma_operand(x2d, "x2d")
-    _check_tma_operand(weight, "weight")
-    _check_tma_operand(y, "out")
 
-    cfg = config if config is not None else gluon_config(M, N, K, x2d.device)
-    args, meta = make_launch_args(x2d, weight, bias, y, cfg, activation)
-    num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    grid = (min(num_tiles, cuda_sm_count(x2d.device)), )
-    with torch.cuda.device(x2d.device):
-        gluon_linear_kernel[grid](*args, **meta)
-    return y
+
+def _check_bias(bias, N, x2d) -> None:
+    if bias.shape != (N,):
+        raise ValueError(f"bias: expected shape ({N},), got {tuple(bias.shape)}")
+    if bias.dtype not in (torch.float32, x2d.dtype):
+        raise TypeError(f"bias: expected float32 or {x2d.dtype}, got {bias.dtype}")
+    if bias.device != x2d.device:
+        raise ValueError(f"bias: on {bias.device}, x2d on {x2d.device}")
+
+
+def _output(out, M, N, x2d) -> torch.Tensor:
+    """``out`` checked, or a new ``[M, N]`` output."""
+    if out is None:
+        return torch.empty((M, N), device=x2d.device, dtype=x2d.dtype)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != (M, N) or out.dtype != x2d.dtype or out.device != x2d.device or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous ({M}, {N}) {x2d.dtype} tensor on {x2d.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
+def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
+           prefetch_weight=False):
+    """The family's launch (``fusedserve.kernels.family``): ``config`` is a ``GluonConfig`` as a
+    dict (None: ``gluon_config`` picks). The keywords every family takes are unused here."""
+    return gluon_fused_linear(x, weight, bias, activation, out=out,
+                              config=None if config is None else GluonConfig(**config))
+
+
+FAMILY = KernelFamily(NAME, unfit=hopper_unfit, offered=lambda p: True,
+                      candidates=lambda p: [asdict(pick_config(p.M, p.N, SMS))], launch=launch,
+                      describe=lambda config: str(GluonConfig(**config)) if config else "")

@@ -1,27 +1,15 @@
 """Hopper (sm_90) weight streaming for small batches, in Gluon: ``Y = act(X @ W^T + b)``, M <= 256.
 
-Below a few hundred rows a layer is bound by reading W once (32 MiB for a 4096 x 4096 bf16 layer;
-7.8 us on an H200), so everything here serves that stream. "Swap AB": each wgmma computes a
-``[BLOCK_N, BLOCK_M]`` tile of Y^T = W @ X^T, so W's rows fill the instruction's 64-row side and
-the batch only its narrow side (n = 8 to 128: M is padded to 8, not to 64 as a plain tiling pads
-it). Each program owns ``BLOCK_N`` rows of W, one of ``SPLIT_K`` slices of K and ``BLOCK_M`` rows
-of X. Splitting M gives a narrow layer (N = 1024 is only 16 W tiles) more programs without
-split-K's fp32 partial sums: the programs that share a W tile run at the same time, so W still
-comes from HBM about once and the repeats are L2 hits. TMA brings W and X tiles into a ring of
-``STAGES`` shared-memory slots, one mbarrier each: a few bulk copies keep ~150-200 KB in flight
-per SM where a cp.async pipeline issues one 16-byte load per thread per row.
-
-Measured on an H200 (bf16, N=K=4096, cold L2, bench/small_m_sweep.py --kernel gluon, 2026-12-02):
-9.6 us at M=1 and 4, 9.9 us at M=16, 11.0 us at M=64, against 11.3-12.9 us for the Triton
-weight-streaming kernel and 12.5-13.1 us for cuBLASLt. The best tiles were 64 x 256 with 5 stages
-on only 64 programs (N / 64, unsplit): more programs did not add bandwidth. As a programmatic
-dependent launch it waits for the previous kernel before reading X: filling the W half of the
-ring before that wait measured 0.4-0.5 us slower at every shape (those bytes only compete with
-the previous kernel's stream), so with ``prefetch_weight`` it reads just the first W tile early,
-to cover its first loads' latency (2026-12-03, with the bias load moved before the main loop: 10.84
--> 9.88 us at M=4, 10.84 -> 10.07 at 16). Splitting M (2026-12-03): at N=K=4096 the tuner
-kept whole-batch X tiles from M=4 to 256 (14.5 us at M=128, 17.2 at 256); in the 1024-wide bf16
-MLP at batch 64 it picked 16-row tiles (64 programs), and the model went from 20.7 to 17.3 us.
+Below a few hundred rows a layer is bound by reading W once, so everything here serves that
+stream. "Swap AB": each wgmma computes a ``[BLOCK_N, BLOCK_M]`` tile of Y^T = W @ X^T, so W's rows
+fill the instruction's 64-row side and the batch only its narrow side (n = 8 to 128: M is padded
+to 8, not to 64). Each program owns ``BLOCK_N`` rows of W, one of ``SPLIT_K`` slices of K and
+``BLOCK_M`` rows of X; splitting M gives a narrow layer more programs without split-K's fp32
+partial sums (the programs sharing a W tile run together, so W comes from HBM about once). TMA
+brings W and X tiles into a ring of ``STAGES`` shared-memory slots, one mbarrier each: a few bulk
+copies keep ~150-200 KB in flight per SM. As a programmatic dependent launch it waits for the
+previous kernel before reading X; with ``prefetch_weight`` it reads just its first W tile before
+that wait (bench/KERNELS.md has the measurements behind these choices).
 
 Split-K partial sums go to an fp32 workspace; the last split of each tile to arrive (a counter per
 tile) adds them in split order (deterministic) and applies bias and activation, in this launch.
@@ -33,21 +21,27 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
+
+from fusedserve.kernels.activations import apply_activation_gluon
+from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.gluon.common import (
+    TORCH_TO_GL,
     fence_async_shared,
+    gdc_launch_dependents_then_wait,
+    gl,
+    gluon,
+    hopper_unfit,
     mbarrier,
     tma,
+    tma_descriptor,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-from fusedserve.kernels import dispatch, small_m
-from fusedserve.kernels.gluon_linear import _TORCH_TO_GL, _activation, tma_descriptor
+from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, SMS
+from fusedserve.kernels.triton.small_m import tile_counters
 
 NAME = "gluon_small_m"
-MAX_M = dispatch.GLUON_SMALL_M_MAX  # rows of X one launch takes (in tiles of at most 128)
+MAX_M = GLUON_SMALL_M_MAX  # rows of X one launch takes (in tiles of at most 128)
 INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
 
 # Shared memory the ring may fill (an sm_90 SM has 227 KB; the rest is for barriers and spills).
@@ -55,7 +49,7 @@ _SMEM_BUDGET = 200 * 1024
 
 
 # Programs worth launching: two per SM of an H200; more M splits than that only re-read W.
-_MAX_PROGRAMS = 2 * dispatch.SMS
+_MAX_PROGRAMS = 2 * SMS
 
 
 def block_m(M):
@@ -86,14 +80,13 @@ def candidates(M, N, K, dtype):
     K, the shorter X tiles of ``_row_tiles`` at the two deepest tiles of ``_DEPTHS``. Where a grid
     has more programs than an H200 has SMs, each ring comes twice: sized so that two programs share
     an SM, and as deep as one program alone can have (the last wave then runs part full, which
-    still won at N=11008: 172 programs of 64 x 256 x 5, 24.0 us at M=16, against 25.3-28.2 for the
-    shallower rings and 25.3 for cuBLASLt, 2026-12-03)."""
+    still won at N=11008: bench/KERNELS.md)."""
     configs = []
     for i, bm in enumerate(_row_tiles(M, N)):
         for block_k, stages in _DEPTHS if i == 0 else _DEPTHS[:2]:
             for s in (1, 2) if i == 0 else (1, ):
                 programs = triton.cdiv(N, 64) * triton.cdiv(M, bm) * s
-                shared = (_SMEM_BUDGET // 2, ) if programs > dispatch.SMS else ()
+                shared = (_SMEM_BUDGET // 2, ) if programs > SMS else ()
                 for budget in shared + (_SMEM_BUDGET, ):
                     deepest = min(12, budget // ((64 + bm) * block_k * 2))
                     depth = deepest if stages is None else min(stages, deepest)
@@ -110,16 +103,6 @@ def _acc_layout(BLOCK_N, BLOCK_M, num_warps):
     # Y^T tile [BLOCK_N, BLOCK_M]: warps stack along W's rows, 16 each; one instruction spans M.
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                      instr_shape=[16, BLOCK_M, 16])
-
-
-@gluon.jit
-def _gdc_launch_dependents_then_wait():
-    # Programmatic dependent launch (see kernels.common): let the next kernel start launching, then
-    # wait until the previous one has finished and its writes are visible.
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -172,7 +155,7 @@ def gluon_small_m_kernel(
         mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=n_k > 0)
         tma.async_copy_global_to_shared(w_desc, [off_n, kt_start * BLOCK_K], bar, w_bufs.index(0), n_k > 0)
     if USE_PDL:
-        _gdc_launch_dependents_then_wait()
+        gdc_launch_dependents_then_wait()
     # The bias is loaded now and used after the main loop, so its trip to memory overlaps the loop
     # instead of adding to the program's tail.
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))  # along N
@@ -241,7 +224,7 @@ def _epilogue(acc, bias, cols2, rows2, mask, y_ptr, stride_ym, HAS_BIAS: gl.cons
     # Bias and activation while the accumulator is still in fp32, then one store of the tile.
     if HAS_BIAS:
         acc = acc + gl.expand_dims(bias, 1)
-    acc = _activation(acc, ACTIVATION)
+    acc = apply_activation_gluon(acc, ACTIVATION)
     gl.store(y_ptr + rows2.to(gl.int64) * stride_ym + cols2, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -254,7 +237,7 @@ def descriptors(x, weight, config):
 
 def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
            prefetch_weight=False):
-    """Run on checked arguments (``kernels.selection`` calls every kernel family this way): ``x
+    """Run on checked arguments (the family's launch, ``fusedserve.kernels.family``): ``x
     [M, K]``, ``weight [N, K]`` fp16/bf16 with TMA-aligned rows, ``out [M, N]`` with unit column
     stride, 1 <= M <= MAX_M, on a Hopper GPU. ``config`` comes from ``candidates``. ``pdl``: launch
     as a programmatic dependent launch; ``prefetch_weight`` (with ``pdl``): W is constant, so its
@@ -265,13 +248,13 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
     N = weight.shape[0]
     if not 1 <= M <= MAX_M:
         raise ValueError(f"x: the Gluon small-M kernel takes 1 to {MAX_M} rows, got M={M}")
-    if x.dtype not in _TORCH_TO_GL or weight.dtype != x.dtype:
+    if x.dtype not in TORCH_TO_GL or weight.dtype != x.dtype:
         raise TypeError(f"x, weight: fp16 or bf16 of one dtype, got {x.dtype} and {weight.dtype}")
     split = config["SPLIT_K"]
     n_tiles, m_tiles = triton.cdiv(N, config["BLOCK_N"]), triton.cdiv(M, config.get("BLOCK_M", block_m(M)))
     locks = out
     if split > 1:
-        locks = small_m.tile_counters(x.device)
+        locks = tile_counters(x.device)
         if locks is None:  # first split-K launch inside a graph capture: unsplit is as right
             split, locks = 1, out
         elif n_tiles * m_tiles > locks.numel():
@@ -287,3 +270,13 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
             HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=split, STAGES=config["STAGES"],
             USE_PDL=pdl, PREFETCH_W=pdl and prefetch_weight, num_warps=config["num_warps"], **meta)
     return out
+
+
+def _unfit(p):
+    if p.M > MAX_M:
+        return f"it takes at most {MAX_M} rows"
+    return hopper_unfit(p)
+
+
+FAMILY = KernelFamily(NAME, unfit=_unfit, offered=lambda p: True,
+                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch)

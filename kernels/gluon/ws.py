@@ -1,6 +1,6 @@
 """Hopper (sm_90) fused linear in Gluon with warp specialization: ``Y = act(X @ W^T + b)``.
 
-The persistent TMA + wgmma kernels (``kernels.tma_persistent``, ``kernels.gluon_linear``) run one
+The persistent TMA + wgmma kernels (``triton/tma_persistent.py``, ``gluon/wgmma.py``) run one
 warpgroup that both issues the loads and waits on the tensor cores, so a load for a later k-slice
 goes out only when that warpgroup gets back to it. Here the roles are split across warps, as
 CUTLASS's Hopper kernels do:
@@ -28,20 +28,25 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
+
+from fusedserve.kernels.activations import apply_activation_gluon
+from fusedserve.kernels.device import cuda_sm_count
+from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.gluon.common import (
+    TORCH_TO_GL,
     fence_async_shared,
+    gdc_launch_dependents_then_wait,
+    gl,
+    gluon,
+    hopper_unfit,
     mbarrier,
+    tile_coords,
     tma,
+    tma_descriptor,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-from fusedserve.kernels import dispatch
-from fusedserve.kernels.common import cuda_sm_count
-from fusedserve.kernels.gluon_linear import _TORCH_TO_GL, _activation, _tile_coords, tma_descriptor
-from fusedserve.kernels.gluon_small_m import _gdc_launch_dependents_then_wait
+from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, GLUON_WS_MIN_M, SMALL_M_MAX, SMS
 
 NAME = "gluon_ws"
 INTERPRET_CONFIG = None  # Gluon never runs under the interpreter
@@ -58,8 +63,7 @@ _CONSUMER_REGS: gl.constexpr = gl.constexpr(232)
 # Narrow tiles, offered up to GLUON_SMALL_M_MAX rows, where 128-row tiles leave most SMs idle
 # (N=K=4096, M=128: 32 tiles of 128 x 128 against 128 of 64 x 64, cuBLASLt's tile there). Each
 # reads its W slice once per 64 rows of X, the second time from L2 (GROUP_M runs the tiles that
-# share a slice together). On the H200 (2026-12-04, bf16) they took this kernel from 17.9 to 14.2 us
-# at that shape, 1.03-1.06x cuBLASLt's fused epilogue.
+# share a slice together).
 NARROW_TILES = ((64, 64, 64, 1, False, 1), (64, 64, 128, 1, False, 1), (64, 128, 64, 1, False, 1),
                 (64, 128, 128, 1, False, 1))
 
@@ -113,19 +117,19 @@ def candidates(M, N, K, dtype):
     the SMs' waves at least 10% better than a 256-wide tile of its height and as well as a 128-wide
     one (N=11008, M=256: 116 tiles of 128 x 192 for 132 SMs, one wave 87% full, against 86 of
     128 x 256, 65%, and 172 of 128 x 128, two waves 65% full). ``NARROW_TILES`` only up to
-    ``dispatch.GLUON_SMALL_M_MAX`` rows."""
+    ``GLUON_SMALL_M_MAX`` rows."""
     configs = []
     for tile in _tiles():
         bm, bn, bk, consumers, pingpong, epi_split = tile
-        if M <= dispatch.SMALL_M_MAX and bm > 64:
+        if M <= SMALL_M_MAX and bm > 64:
             continue  # (a few rows: only tiles of 64 rows, next to the weight-streaming kernels)
-        if tile in NARROW_TILES and M > dispatch.GLUON_SMALL_M_MAX:
+        if tile in NARROW_TILES and M > GLUON_SMALL_M_MAX:
             continue
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        if tiles < dispatch.SMS // 2 and (bm, bn) != (128, 128):
+        if tiles < SMS // 2 and (bm, bn) != (128, 128):
             continue
         if n_parts(bn)[1]:
-            fill = {width: wave_efficiency(M, N, bm, width, dispatch.SMS) for width in (128, bn, 256)}
+            fill = {width: wave_efficiency(M, N, bm, width, SMS) for width in (128, bn, 256)}
             if fill[bn] < 1.1 * fill[256] or fill[bn] < 0.99 * fill[128]:
                 continue
         config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CONSUMERS=consumers, PINGPONG=pingpong,
@@ -134,12 +138,10 @@ def candidates(M, N, K, dtype):
         while stages > 2 and smem_bytes(dict(config, STAGES=stages), dtype.itemsize) > SMEM_BUDGET:
             stages -= 1
         configs.append(dict(config, STAGES=stages))
-    # Where the tiles leave SMs idle, each config also without programmatic dependent launch: at
-    # N=11008, M=128 (116 or 86 programs) the same config took 28.3-28.9 us launched plainly and
-    # 31.3-32.4 us as a dependent launch on the H200 (at M=256, 116 programs, 40.6 and 40.4). Which
-    # is faster is the tuner's to find.
+    # Where the tiles leave SMs idle, each config also without programmatic dependent launch: a
+    # dependent launch measured slower there at N=11008 (bench/KERNELS.md); the tuner decides.
     configs += [dict(c, PDL=False) for c in configs
-                if triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]) < dispatch.SMS]
+                if triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]) < SMS]
     return configs
 
 
@@ -150,17 +152,15 @@ def _acc_layout(SUB_M, BLOCK_N):
 
 
 @gluon.jit
-def _worker(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-            ready, empty, turn, M, N, K,
-            HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
+def _worker(state, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
             PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, SPLIT_N: gl.constexpr, ROLE: gl.constexpr):
     # Worker partitions share one signature; ROLE says which this is: 1 the second consumer
     # warpgroup, 0 the loader.
     if ROLE == 1:
-        _consume(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-                 ready, empty, turn, M, N, K,
-                 HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 1)
+        _consume(state, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 1)
     else:
+        x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs, \
+            ready, empty, turn, M, N, K = state
         _load(x_desc, w_desc, w2_desc, x_bufs, w_bufs, w2_bufs, ready, empty, M, N, K, GROUP_M, SPLIT_N)
 
 
@@ -181,7 +181,7 @@ def _load(x_desc, w_desc, w2_desc, x_bufs, w_bufs, w2_bufs, ready, empty, M, N, 
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     it = 0  # k-slices issued so far, over all tiles: slice it goes to stage it % STAGES
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         for ki in range(k_tiles):
             slot = it % STAGES
             # A barrier starts as if its phase 1 had completed, so the first pass over the ring
@@ -198,10 +198,10 @@ def _load(x_desc, w_desc, w2_desc, x_bufs, w_bufs, w2_bufs, ready, empty, M, N, 
 
 
 @gluon.jit
-def _consume(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-             ready, empty, turn, M, N, K,
-             HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
+def _consume(state, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
              PINGPONG: gl.constexpr, EPI_SPLIT: gl.constexpr, SPLIT_N: gl.constexpr, CID: gl.constexpr):
+    x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs, \
+        ready, empty, turn, M, N, K = state
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     N_FIRST: gl.constexpr = w_desc.block_type.shape[0]
@@ -224,7 +224,7 @@ def _consume(x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs,
     it = FIRST_TILE * k_tiles  # the loader's count of k-slices before this consumer's next tile
     n = 0  # tiles this consumer has done
     for tile in range(gl.program_id(0) + FIRST_TILE * step, num_pid_m * num_pid_n, TILE_STRIDE * step):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         if PINGPONG:
             # Take turns on the tensor cores: start this tile's MMAs only once the other consumer
             # has released every slice of its tile before this one. That is also what keeps the
@@ -280,7 +280,7 @@ def _bias_activation(acc, bias_ptr, col, N, HAS_BIAS: gl.constexpr, ACTIVATION: 
     if HAS_BIAS:
         cols = col + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
         acc = acc + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-    return _activation(acc, ACTIVATION)
+    return apply_activation_gluon(acc, ACTIVATION)
 
 
 @gluon.jit
@@ -304,7 +304,7 @@ def gluon_ws_kernel(
     USE_PDL: gl.constexpr,
 ):
     if USE_PDL:  # X is the previous kernel's output: wait for it before the loader reads it
-        _gdc_launch_dependents_then_wait()
+        gdc_launch_dependents_then_wait()
     dtype: gl.constexpr = x_desc.dtype
     x_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -326,28 +326,19 @@ def gluon_ws_kernel(
         mbarrier.init(turn.index(c), count=1)
     fence_async_shared()  # barrier initialisation visible to the TMA unit
 
-    # (Each partition's arguments written out: a tuple built here would hold constexprs, which
-    # Gluon cannot put in one.)
+    # What every partition reads; the constexprs go beside it.
+    state = (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
+             ready, empty, turn, M, N, K)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consume, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-                        ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                        SPLIT_N, 0)),
-            (_worker, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-                       ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                       SPLIT_N, 1)),
-            (_worker, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-                       ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                       SPLIT_N, 0)),
+            (_consume, (state, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 0)),
+            (_worker, (state, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 1)),
+            (_worker, (state, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 0)),
         ], [4, 1], [_CONSUMER_REGS, _LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_consume, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-                        ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                        SPLIT_N, 0)),
-            (_worker, (x_desc, w_desc, w2_desc, y_desc, y2_desc, bias_ptr, x_bufs, w_bufs, w2_bufs, y_bufs, y2_bufs,
-                       ready, empty, turn, M, N, K, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT,
-                       SPLIT_N, 0)),
+            (_consume, (state, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 0)),
+            (_worker, (state, HAS_BIAS, ACTIVATION, GROUP_M, CONSUMERS, PINGPONG, EPI_SPLIT, SPLIT_N, 0)),
         ], [1], [_LOADER_REGS])
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -379,7 +370,7 @@ def descriptors(x, weight, out, config):
 
 def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
            prefetch_weight=False):
-    """Run on checked arguments (``kernels.selection`` calls every kernel family this way): ``x
+    """Run on checked arguments (the family's launch, ``fusedserve.kernels.family``): ``x
     [M, K]``, ``weight [N, K]``, ``out [M, N]``, fp16/bf16 of one dtype, TMA-aligned, on a Hopper
     GPU. ``config`` comes from ``candidates``. ``pdl``: launch as a programmatic dependent launch,
     unless the config says ``PDL=False``.
@@ -387,7 +378,7 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
     kernel family shares and not used."""
     M, K = x.shape
     N = weight.shape[0]
-    if x.dtype not in _TORCH_TO_GL or weight.dtype != x.dtype or out.dtype != x.dtype:
+    if x.dtype not in TORCH_TO_GL or weight.dtype != x.dtype or out.dtype != x.dtype:
         raise TypeError(f"x, weight, out: fp16 or bf16 of one dtype, got {x.dtype}, {weight.dtype}, {out.dtype}")
     tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
     pdl = pdl and config.get("PDL", True)
@@ -405,3 +396,7 @@ def kernel_meta(config, has_bias, activation, pdl):
                 CONSUMERS=config["CONSUMERS"], PINGPONG=config["PINGPONG"], EPI_SPLIT=config["EPI_SPLIT"],
                 SPLIT_N=n_parts(config["BLOCK_N"])[1], USE_PDL=pdl, num_warps=4,
                 maxnreg=max_registers(config))
+
+
+FAMILY = KernelFamily(NAME, unfit=hopper_unfit, offered=lambda p: p.M > GLUON_WS_MIN_M,
+                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch)

@@ -2,10 +2,10 @@
 
 The interpreter runs the kernels' Python, not the compiler, so it misses what only the compiler
 rejects (a non-constexpr global, a layout it cannot lower). This compiles each tuning candidate the
-way a launch on an H200 would, from mock tensors (through ``kernels._sm90``). Run without
-``TRITON_INTERPRET``:
+way a launch on an H200 would, from mock tensors (through ``fusedserve.kernels.sm90``). Run
+without ``TRITON_INTERPRET``:
 
-    python -m fusedserve.kernels._sm90_triton        # one line per compile; exit status 1 if any failed
+    python -m fusedserve.kernels.triton.sm90   # one line per compile; exit status 1 if any failed
 """
 
 import sys
@@ -16,10 +16,10 @@ import triton
 from triton.runtime.jit import MockTensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusedserve.kernels import normalize, small_m, tiled, tma_persistent
-from fusedserve.kernels._sm90 import compile_sm90
-from fusedserve.kernels.common import FP32_PRECISIONS
 from fusedserve.kernels.activations import ACTIVATIONS
+from fusedserve.kernels.precision import FP32_PRECISIONS
+from fusedserve.kernels.sm90 import compile_sm90
+from fusedserve.kernels.triton import normalize, small_m, tiled, tma_persistent
 
 
 def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, precision="ieee"):
@@ -58,8 +58,7 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
 
 def plan():
     """(module, M, N, K, dtype, config, activation, precision): every candidate of every kernel, in
-    bf16 and (where it runs fp32) in fp32 at both ``kernels.common.FP32_PRECISIONS``, and each
-    activation once."""
+    bf16 and (where it runs fp32) in fp32 at both ``FP32_PRECISIONS``, and each activation once."""
     jobs = []
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (3, 4096, 4096)),
                               (small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),

@@ -11,7 +11,9 @@ import triton
 import triton.language as tl
 
 from fusedserve.kernels.activations import apply_activation
-from fusedserve.kernels.common import dot_acc, launch_dependents_then_wait
+from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.rules import SMALL_M_MAX
+from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
 
 NAME = "triton_tiled"
 
@@ -26,20 +28,15 @@ CONFIGS = [
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=5),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 ]
-# fp32: tensor cores as 3xTF32 (or TF32 where torch allows it), FMAs with
-# FUSEDSERVE_FP32_PRECISION=ieee (kernels.common.dot_precision); these tiles compile for both
-# (kernels._sm90_triton). Tiles that keep the accumulator in registers, spilling a few bytes at most
-# (checked with ptxas for sm_90); the larger 16-bit tiles above spill heavily in fp32 and take
-# seconds each to compile.
+# fp32 (3xTF32 or TF32 tensor cores, or FMAs with FUSEDSERVE_FP32_PRECISION=ieee): tiles that keep
+# the accumulator in registers, spilling a few bytes at most on sm_90 (the 16-bit tiles spill).
 FP32_CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
-    # Large batches on FMAs: 8x8 (or 8x4) outputs per thread, short K steps so 4 stages fit and keep
-    # the FMA pipes fed (ptxas for sm_90: 128-242 registers, no spills at N=K=4096; 8-24 bytes of
-    # spills at N=1000, like the 128x128x32 tile above).
+    # Large batches on FMAs: 8x8 (or 8x4) outputs per thread, short K steps so 4 stages fit.
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, GROUP_M=8, num_warps=8, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
@@ -113,8 +110,8 @@ def _tiled_linear_kernel(
 def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
            prefetch_weight=False):
     """Run the kernel on checked arguments: ``x [M, K]`` and ``weight [N, K]`` with unit column
-    stride, ``out [M, N]`` contiguous, M >= 1. ``config`` is one of ``CONFIGS``/``INTERPRET_CONFIG``.
-    """
+    stride, ``out [M, N]`` contiguous, M >= 1. ``config`` is one of ``candidates``/``INTERPRET_CONFIG``.
+    (``prefetch_weight`` is the keyword every family takes; this kernel has no use for it.)"""
     M, K = x.shape
     N = weight.shape[0]
     meta = dict(config)
@@ -128,3 +125,13 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
         USE_PDL=pdl, **meta, **({"launch_pdl": True} if pdl else {}),
     )
     return out
+
+
+def _offered(p):
+    # Past a few rows, wherever the Hopper TMA kernels cannot run (fp32, other GPUs, the interpreter).
+    return p.M > SMALL_M_MAX and not p.hopper_tma
+
+
+FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=_offered,
+                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
+                      interpret_config=INTERPRET_CONFIG)

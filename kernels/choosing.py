@@ -1,0 +1,113 @@
+"""Which kernel family and config runs one layer, and running it.
+
+The families a problem is offered to (``registry.offered``) compete once per batch bucket on each
+GPU model: the first call in a new bucket times every family's candidate configs at the bucket's
+largest batch, on rotating copies of its arguments (``tuning.time_configs``), and the tune cache
+keeps the winner. Under the interpreter the first offered family runs its fixed config. Inside a
+CUDA-graph capture, where timing would break the capture, an untuned bucket runs the default (the
+model runner tunes every bucket before it captures).
+"""
+
+import itertools
+from dataclasses import dataclass, replace
+
+import torch
+
+from fusedserve.kernels import registry
+from fusedserve.kernels.arguments import interpreting
+from fusedserve.kernels.device import cuda_name, pdl_supported
+from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.precision import dot_precision
+from fusedserve.kernels.rules import Problem, bucket_rows, m_bucket
+from fusedserve.kernels.timers import default_timer
+from fusedserve.kernels.tune_cache import device_cache
+from fusedserve.kernels.tuning import rotating_sets, time_configs
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernel family and config that run a layer."""
+
+    kernel: str  # the family's name
+    config: dict | None  # None: not known before tuning
+    tuned: bool  # the tuner's pick here (False: the default before tuning, or the interpreter's)
+
+    def describe(self) -> str:
+        """The config as kernel stats show it ("" when not known yet)."""
+        return registry.family(self.kernel).describe(self.config) if self.config is not None else ""
+
+
+def launch_options(x2d: torch.Tensor, static_weight: bool) -> dict:
+    """The keywords every family's launch takes, the same for all (a family ignores what it has no
+    use for): fp32 dots' ``input_precision``; ``upcast_bf16``, bf16 tiles to fp32 before tl.dot
+    (the interpreter's bf16 dot is wrong); ``pdl``, a programmatic dependent launch (wait for the
+    previous kernel before reading X); ``prefetch_weight``, with pdl read W before that wait."""
+    pdl = pdl_supported(x2d.device)
+    return dict(input_precision=dot_precision(x2d.dtype), upcast_bf16=interpreting() and x2d.dtype == torch.bfloat16,
+                pdl=pdl, prefetch_weight=pdl and static_weight)
+
+
+def launch(choice: Choice, x2d, weight, bias, activation, static_weight=False) -> torch.Tensor:
+    """Run ``choice`` on checked arguments (``x2d [M, K]`` and ``weight`` with unit column stride)
+    into a new ``[M, N]`` output."""
+    out = torch.empty((x2d.shape[0], weight.shape[0]), device=x2d.device, dtype=x2d.dtype)
+    return registry.family(choice.kernel).launch(x2d, weight, bias, activation, out, choice.config,
+                                                 **launch_options(x2d, static_weight))
+
+
+def _tune_key(families, problem: Problem, static_weight: bool) -> str:
+    # The offered set is part of the key (without Gluon a bucket is tuned afresh), and so is the
+    # weight prefetch, which changes the kernels' timing and shared memory.
+    return (f"{'+'.join(f.name for f in families)}|M{m_bucket(problem.M)}|N{problem.N}|K{problem.K}"
+            f"|{str(problem.dtype).removeprefix('torch.')}|{dot_precision(problem.dtype)}"
+            + ("|static_weight" if static_weight else ""))
+
+
+def cached(problem: Problem, device, static_weight=False) -> Choice | None:
+    """The tuned choice for this problem's bucket on ``device``'s GPU model, or None."""
+    if interpreting():
+        return None
+    entry = device_cache(cuda_name(device)).get(_tune_key(registry.offered(problem), problem, static_weight))
+    return None if entry is None else Choice(entry["kernel"], entry["config"], tuned=True)
+
+
+def default(problem: Problem) -> Choice:
+    """The choice before tuning: the first offered family; its config is known only where nothing
+    is tuned (the interpreter's fixed config)."""
+    first = registry.offered(problem)[0]
+    return Choice(first.name, first.interpret_config if interpreting() else None, tuned=False)
+
+
+def choose(problem: Problem, x2d, weight, bias, activation, static_weight=False,
+           families: tuple[KernelFamily, ...] | None = None) -> Choice:
+    """The choice for this layer: the interpreter's fixed one, the cached tuned one, the default
+    inside a CUDA-graph capture, or (first call in a bucket) the winner of timing them all now.
+    ``families``: the competitors (default: every family offered for the problem)."""
+    families = families or registry.offered(problem)
+    if interpreting():  # (check_args lets CPU tensors through only then)
+        return Choice(families[0].name, families[0].interpret_config, tuned=False)
+    key = _tune_key(families, problem, static_weight)
+    cache = device_cache(cuda_name(x2d.device))
+    entry = cache.get(key)
+    if entry is not None:
+        return Choice(entry["kernel"], entry["config"], tuned=True)
+    if torch.cuda.is_current_stream_capturing():
+        return Choice(families[0].name, families[0].candidates(problem)[0], tuned=False)
+    kernel, config = _tune(families, problem, x2d, weight, bias, activation, static_weight)
+    cache.put(key, {"kernel": kernel, "config": config})
+    return Choice(kernel, config, tuned=True)
+
+
+def _tune(families, problem, x2d, weight, bias, activation, static_weight):
+    """``(family name, config)``: the fastest of every candidate at the bucket's largest batch."""
+    x_timed = bucket_rows(x2d)
+    timed = replace(problem, M=x_timed.shape[0])
+    pairs = [(f.name, config) for f in families for config in f.candidates(timed)]
+    sets = rotating_sets(x_timed, weight, bias)
+    turn = itertools.count()
+
+    def run(pair):  # each call takes the next copy of the arguments (cold L2, as in serving)
+        xs, ws, bs = sets[next(turn) % len(sets)]
+        return launch(Choice(*pair, tuned=False), xs, ws, bs, activation, static_weight)
+
+    return time_configs(pairs, run, timer=default_timer(len(sets)))[1]

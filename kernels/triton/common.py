@@ -1,0 +1,24 @@
+"""``@triton.jit`` pieces every Triton family shares: the programmatic-dependent-launch wait and
+the tensor-core step."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def launch_dependents_then_wait():
+    """In a programmatic dependent launch: let the next kernel on the stream start launching now,
+    then wait until the previous one has finished (its writes visible) before reading anything it
+    may have written. Every kernel before it waited the same way, so all earlier work is done."""
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def dot_acc(acc, a, b, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
+    """``acc + a @ b`` on the tensor cores (fp32 tiles under the interpreter, whose bf16 tl.dot is
+    wrong while its fp32 one is right)."""
+    if UPCAST_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)

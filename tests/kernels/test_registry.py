@@ -1,0 +1,107 @@
+"""Which kernel families compete for a layer (the registry's order and each family's rules),
+without a GPU: a problem says the compute capability, so Hopper can be asked about anywhere."""
+
+import pytest
+import torch
+
+from fusedserve.kernels import registry
+from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, GLUON_WS_MIN_M, MID_M_MAX, SMALL_M_MAX, Problem
+
+HOPPER = (9, 0)
+AMPERE = (8, 0)
+TILED, TMA, SMALL_M = "triton_tiled", "triton_tma_persistent", "triton_small_m"
+GLUON, GLUON_SMALL_M, GLUON_WS = "gluon_wgmma", "gluon_small_m", "gluon_ws"
+
+
+def offered(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon=False, N=4096, K=4096):
+    """The families timed for this problem, the default first (Gluon's left out unless ``gluon``)."""
+    names = [f.name for f in registry.offered(Problem(M, N, K, dtype, capability, tma_aligned))]
+    return tuple(n for n in names if gluon or not n.startswith("gluon"))
+
+
+def test_every_family_registers_once_under_its_own_name():
+    names = registry.names()
+    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS} and len(names) == len(set(names))
+    assert all(registry.family(n).name == n for n in names)
+    with pytest.raises(ValueError, match="kernel family must be one of"):
+        registry.family("no_such_kernel")
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, SMALL_M_MAX])
+@pytest.mark.parametrize("capability", [None, AMPERE, HOPPER])
+def test_small_batches_stream_weights_everywhere(M, capability):
+    assert offered(M, capability=capability) == (SMALL_M,)
+    assert offered(M, torch.float32, capability=capability) == (SMALL_M,)
+
+
+@pytest.mark.parametrize("M", [SMALL_M_MAX + 1, 100, 130, MID_M_MAX])
+def test_mid_batches_time_a_tiled_kernel_against_weight_streaming(M):
+    assert offered(M, torch.bfloat16) == (TMA, SMALL_M)
+    assert offered(M, torch.float16) == (TMA, SMALL_M)
+    assert offered(M, torch.float32) == (TILED, SMALL_M)
+    assert offered(M, capability=None) == (TILED, SMALL_M)
+
+
+@pytest.mark.parametrize("M", [MID_M_MAX + 1, 1000, 8192])
+def test_large_batches_on_hopper_use_tma(M):
+    assert offered(M, torch.bfloat16) == (TMA,)
+    assert offered(M, torch.float16) == (TMA,)
+
+
+@pytest.mark.parametrize("M", [1, 100, 4096])
+def test_gluon_competes_where_it_accepts_the_shape(M):
+    assert GLUON in offered(M, gluon=True)
+    assert GLUON not in offered(M, gluon=True, tma_aligned=False)
+    assert GLUON not in offered(M, torch.float32, gluon=True)
+    assert GLUON not in offered(M, capability=AMPERE, gluon=True)
+    assert GLUON not in offered(M, capability=None, gluon=True)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, SMALL_M_MAX])
+def test_gluon_weight_streaming_competes_at_small_batches_on_hopper(M):
+    # The Triton kernel stays the default (first); the Gluon ones are timed against it.
+    ws = (GLUON_WS, ) if M > GLUON_WS_MIN_M else ()
+    assert offered(M, gluon=True) == (SMALL_M, GLUON_SMALL_M, GLUON) + ws
+    assert offered(M, torch.float16, gluon=True) == (SMALL_M, GLUON_SMALL_M, GLUON) + ws
+    assert GLUON_SMALL_M not in offered(M, torch.float32, gluon=True)
+    assert GLUON_SMALL_M not in offered(M, gluon=True, tma_aligned=False)
+    assert GLUON_SMALL_M not in offered(M, capability=AMPERE, gluon=True)
+    assert offered(GLUON_SMALL_M_MAX, gluon=True) == (TMA, SMALL_M, GLUON_SMALL_M, GLUON, GLUON_WS)
+    assert GLUON_SMALL_M not in offered(GLUON_SMALL_M_MAX + 1, gluon=True)
+
+
+@pytest.mark.parametrize("M", [GLUON_WS_MIN_M + 1, SMALL_M_MAX, SMALL_M_MAX + 1, 256, 4096])
+def test_warp_specialized_gluon_competes_past_small_batches_on_hopper(M):
+    assert offered(M, gluon=True)[-1] == GLUON_WS
+    assert offered(M, torch.float16, gluon=True)[-1] == GLUON_WS
+    assert GLUON_WS not in offered(GLUON_WS_MIN_M, gluon=True)  # weight streaming's ground
+    for kwargs in (dict(dtype=torch.float32), dict(tma_aligned=False), dict(capability=AMPERE)):
+        assert GLUON_WS not in offered(M, gluon=True, **kwargs), kwargs
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(dtype=torch.float32),  # fp32 stays on the portable kernel (TF32 only if torch allows it)
+    dict(capability=AMPERE),  # no TMA/WGMMA before Hopper
+    dict(capability=(10, 0)),  # Hopper-only paths are for 9.x only
+    dict(capability=None),  # the interpreter
+    dict(tma_aligned=False),  # misaligned rows or views
+])
+def test_everything_else_gets_the_portable_kernel(kwargs):
+    assert offered(1000, gluon=True, **kwargs) == (TILED,)
+
+
+@pytest.mark.parametrize("name, problem, why", [
+    (TMA, Problem(17, 40, 136, torch.float32, None, True), "fp16/bf16"),
+    (TMA, Problem(17, 40, 130, torch.float16, HOPPER, False), "16-byte aligned"),
+    (TMA, Problem(17, 40, 136, torch.float16, AMPERE, True), "Hopper GPU or the interpreter"),
+    (GLUON, Problem(17, 40, 136, torch.float16, None, True), "Hopper GPU"),
+    (GLUON_SMALL_M, Problem(300, 40, 136, torch.float16, HOPPER, True), "at most 256 rows"),
+    (GLUON_WS, Problem(300, 40, 136, torch.float32, HOPPER, True), "fp16/bf16"),
+])
+def test_a_family_says_why_it_cannot_run_a_problem(name, problem, why):
+    assert why in registry.family(name).unfit(problem)
+
+
+@pytest.mark.parametrize("name", [TILED, SMALL_M])
+def test_the_portable_families_run_anything(name):
+    assert registry.family(name).unfit(Problem(3, 5, 7, torch.float32, None, False)) is None

@@ -1,0 +1,141 @@
+"""Choosing by timing (``tuning``) and how one candidate is timed (``timers``), with fake timers
+and a fake CUDA where a GPU would be needed."""
+
+import pytest
+import torch
+
+from fusedserve.kernels import timers, tuning
+
+
+def fake_timer(fake_ms):
+    """A timer whose samples come from ``fake_ms[result of the call]`` (lists are consumed in order)."""
+    def timer(fn):
+        key = fn()  # called eagerly first, like the real timer: a bad config raises here
+
+        def sample(repeats):
+            values = fake_ms[key]
+            return [values.pop(0) if isinstance(values, list) else values for _ in range(repeats)]
+        return sample
+    return timer
+
+
+def test_time_configs_skips_what_does_not_fit_and_warns_on_failures():
+    from triton.runtime.errors import OutOfResources
+
+    def run(option):
+        if option == "b":
+            raise OutOfResources(300000, 232448, "shared memory")
+        if option == "c":
+            raise RuntimeError("kernel c does not build here")
+        return option
+
+    timer = fake_timer({"a": 2.0, "d": 1.0})
+    with pytest.warns(RuntimeWarning, match="candidate c failed.*does not build"):
+        timings, best = tuning.time_configs(["a", "b", "c", "d"], run, timer=timer)
+    assert best == "d" and timings == [(2.0, "a"), (1.0, "d")]
+    with pytest.raises(RuntimeError, match="does not build"), pytest.warns(RuntimeWarning):
+        tuning.time_configs(["b", "c"], run, timer=timer)
+
+
+def test_graph_timing_fallback_names_the_candidate(monkeypatch):
+    # Where a candidate cannot be captured into a CUDA graph it is timed with do_bench instead, and
+    # the warning says which candidate (the first round and the finalists' re-timing alike).
+    def graph_timer(run, calls_hint):
+        if run() == "b":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return lambda repeats: [1.0] * repeats
+
+    monkeypatch.setattr(timers, "graph_timer", graph_timer)
+    monkeypatch.setattr(timers, "bench_timer", lambda run: (lambda repeats: [2.0] * repeats))
+    with pytest.warns(RuntimeWarning, match=r"CUDA-graph timing failed for b \(RuntimeError: operation not") as caught:
+        timings, best = tuning.time_configs(["a", "b"], lambda o: o, timer=timers.default_timer())
+    assert timings == [(1.0, "a"), (2.0, "b")] and best == "a"
+    assert len(caught) == 2  # first round, then again when the finalists are re-timed
+    assert timers.timing_candidate.get() is None  # nothing left named once tuning is over
+
+
+def test_gc_paused_restores_the_collector_as_it_was():
+    import gc
+
+    from fusedserve.kernels.device import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        assert not gc.isenabled()
+        raise ValueError("a failed capture")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled(), "a collector that was off came back on"
+    finally:
+        gc.enable()
+
+
+def test_graph_timer_captures_with_the_collector_paused(monkeypatch):
+    # A collection mid-capture that frees a dead CUDA graph breaks the capture (its teardown is not
+    # allowed while a stream captures), so every call inside one must run with the collector off.
+    import contextlib
+    import gc
+
+    captured = []
+
+    class Graph:
+        def capture_begin(self, **kwargs):
+            captured.append("begin")
+
+        def capture_end(self):
+            captured.append("end")
+
+        def replay(self):
+            pass
+
+    class Event:
+        def __init__(self, **kwargs):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    for name, value in (("CUDAGraph", Graph), ("Event", Event), ("Stream", Stream), ("current_stream", Stream),
+                        ("stream", lambda s: contextlib.nullcontext()), ("synchronize", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    calls = []
+    sample = timers.graph_timer(lambda: calls.append((captured[-1:] == ["begin"], gc.isenabled())), 2)
+    assert sample(3) and gc.isenabled()
+    inside = [enabled for capturing, enabled in calls if capturing]
+    assert inside and not any(inside), calls
+    assert all(enabled for capturing, enabled in calls if not capturing)  # the eager warm-up calls
+
+
+def test_time_configs_retimes_the_finalists_and_trusts_the_second_round():
+    first, final = tuning._FIRST_REPEATS, tuning._FINAL_ROUNDS * tuning._FINAL_REPEATS
+    # "a" looked fastest in the first round by luck; the re-timing shows "b" is faster. "d" is
+    # fourth in the first round, so it is not a finalist and is never sampled again.
+    fake_ms = {"a": [1.0] * first + [3.0] * final, "b": [1.5] * first + [2.0] * final,
+               "c": [1.6] * first + [2.5] * final, "d": [1.7] * first}
+    timings, best = tuning.time_configs(["a", "b", "c", "d"], lambda o: o, timer=fake_timer(fake_ms))
+    assert best == "b", timings
+    assert all(v == [] for v in fake_ms.values()), f"samples left unread: {fake_ms}"
+
+
+def test_time_configs_with_one_candidate_times_it_once():
+    fake_ms = {"a": [1.0] * tuning._FIRST_REPEATS}
+    assert tuning.time_configs(["a"], lambda o: o, timer=fake_timer(fake_ms))[1] == "a"
+    assert fake_ms["a"] == []
+
+
+def test_time_configs_without_candidates_says_so():
+    with pytest.raises(ValueError, match="no candidate configs"):
+        tuning.time_configs([], lambda o: o, timer=fake_timer({}))
