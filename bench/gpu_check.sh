@@ -1,40 +1,24 @@
 #!/usr/bin/env bash
-# One pass over everything that needs the GPU: GPU tests, kernel and model benchmarks, and an
-# end-to-end server check. Run on the GPU host from the repository root:
-#   bash bench/gpu_check.sh [STAGE ...]   stages: env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma
-#                                         e2e model kernels-small kernels-full load sweep gluon-sweep mlp-sweep ncu
-#                                         profile fp32 host ab ws-sweep tuner kernels-at pack
-# ws-sweep: every config of the warp-specialized Gluon kernel next to the TMA kernel's at WS_SHAPES
-# (MxNxK,...; default the shapes where the TMA kernel trails cuBLASLt), ws_sweep_h200.jsonl.
-# kernels-small: N=K=4096 at M <= 512 (KERNELS_MS="128,256" narrows it), fp16 timed before bf16
-# (KERNELS_DTYPES="bfloat16,float16" reverses the order), no torch.compile (kernels_h200_small.json).
-# kernels-at: KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096,8192x8192") in KERNELS_DTYPES
-# (default bf16 first), no torch.compile, within KERNELS_BUDGET_S (default 270), into
-# kernels_h200_$KERNELS_TAG.json: the shapes a change touched, for bench/kernels.py --merge.
-# kernels-full: the whole plan, ~20 min on an H200, so KERNELS_NK="8192x8192" runs it at those
-# N x K only (kernels_h200_8192x8192.json).
-# kernels: the quick plan (kernels_h200_quick.json: bench/results/kernels_h200.json is the merge of
-# the runs, bench/kernels.py --merge). tests-tma: the GPU tests of the TMA persistent kernel only.
-# host: eager fused_linear's host time per call against torch's, and a cProfile of it
-# (bench/host_overhead.py).
-# tests-quick leaves out the Gluon kernel's numerics sweep (unchanged code: ~240 cases) and the
-# warp-specialized kernel's tests (tests-gluon-ws), so it ends inside its time limit.
-# ab: version A (this checkout) against version B (a checkout of another branch at $AB_DIR, e.g.
-# `git archive BRANCH | tar -x -C exp`), bench/kernels.py run A, B, A, B ($AB_ROUNDS rounds,
-# default 2) at KERNELS_MS (default 1,4,16,64) x KERNELS_NK (default 4096x4096) x AB_DTYPES (default bfloat16),
-# each side with its own tune cache; bench/ab.py then compares them against the peers' drift
-# (AB_NAME_A and AB_NAME_B, e.g. main and the branch, name the two in ab.json). Results go to
-# $OUT/ab, or $OUT/ab_$AB_TAG, so one call can compare at several sets of shapes.
-# ncu: Nsight Compute's counters (--set full, every raw metric, one launch each, CSV) for NCU_RUNS
-# (default "gluon_ws:6 triton_tma_persistent:1 cublaslt:0": kernel and candidate number,
-# bench/ncu_kernel.py --list; cublaslt is the peer) at each of NCU_SHAPES (default 256x11008x4096),
-# into $OUT/ncu_KERNEL_PICK_SHAPE.csv.
-# tuner: whether the tuner's pick is what bench/kernels.py times fastest, at TUNER_SHAPES (MxNxK,...)
-# in TUNER_DTYPE (default bfloat16), three tuner runs each (bench/tuner_check.py, tuner_check_h200.jsonl).
-# pack (last): everything under $OUT into $OUT/results.tgz, for a runner that returns few files.
-# MLP_SWEEP_ONLY="digits:512 ..." limits the mlp-sweep stage to those (model, batch) points.
-# Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit
-# so one hang cannot eat the whole run.
+# Everything that needs the GPU: the GPU tests, kernel and model benchmarks, an end-to-end server.
+# Run on the GPU host from the repository root (after `. .whl/setup.sh` where the web stack is
+# missing):  bash bench/gpu_check.sh [STAGE ...]   (default: env tests e2e model kernels load)
+#
+# tests: the whole GPU suite, nothing left out, in two parts that each fit one device call:
+#   tests-kernels (tests/kernels) and tests-rest (tests/models, tests/service, tests/bench). Each
+#   part writes gpu_record_<part>.json (bench/gpu_record.py: the git trees of kernels/ and models/
+#   it ran on, GPU, versions, pytest's summary); merge them into tests/gpu_record.json.
+# smoke: a few minutes of GPU tests across every kernel family and the runner, after a refactor.
+# tests-gluon-small, tests-gluon-ws, tests-tma: one family's GPU tests.
+# e2e: a real server on the GPU answers POST /infer; its answers must match the CPU model.
+# model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
+#   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
+#   within KERNELS_BUDGET_S into kernels_h200_$KERNELS_TAG.json.
+# sweep, gluon-sweep, ws-sweep (WS_SHAPES), mlp-sweep (MLP_SWEEP_ONLY), tuner (TUNER_SHAPES),
+#   ncu (NCU_RUNS at NCU_SHAPES), profile, fp32, host: the measurements behind the kernels' choices
+#   (bench/KERNELS.md).
+# ab: this checkout against another at $AB_DIR, bench/kernels.py alternated A B A B ($AB_ROUNDS).
+# pack (last): everything under $OUT into one results.tgz.
+# Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit.
 set -uo pipefail
 out=${OUT:-bench/results/gpu_check}
 mkdir -p "$out"
@@ -42,6 +26,14 @@ log="$out/gpu_check.log"
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(env tests e2e model kernels load)
 export PYTHONUNBUFFERED=1 FUSEDSERVE_TUNE_CACHE=${FUSEDSERVE_TUNE_CACHE:-/tmp/fusedserve-tune}
+
+# The package as pip installs it (fusedserve.kernels, .models, .service), linked to this checkout,
+# so nothing needs building here.
+pkg=/tmp/fusedserve-pkg
+mkdir -p "$pkg/fusedserve"
+for d in kernels models service; do ln -sfn "$PWD/$d" "$pkg/fusedserve/$d"; done
+ln -sf "$PWD/fusedserve/__main__.py" "$pkg/fusedserve/__main__.py"
+export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
 
 stage() {  # stage NAME SECONDS CMD...: run one stage, log it, never stop the others
     local name=$1 limit=$2; shift 2
@@ -118,6 +110,13 @@ ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NC
     done
 }
 
+gpu_tests() {  # gpu_tests PART PATH...: one part of the GPU suite, then its record
+    local part=$1; shift
+    stage "tests-$part" 560 python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --durations=10 --no-header \
+        -p no:cacheprovider "$@" 2>&1 | tee "$out/tests_$part.log"
+    python3 bench/gpu_record.py part "$part" "$out/tests_$part.log" "$out/gpu_record_$part.json"
+}
+
 ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits both sides alike
     [ -d "${AB_DIR:-}" ] || { echo "ab: AB_DIR must name the other checkout"; return 1; }
     local dir b_dir b_path files_a=() files_b=()
@@ -141,9 +140,12 @@ ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits
 for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
-        tests) stage tests 420 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header -p no:cacheprovider ;;
-        tests-quick) stage tests-quick 480 python3 -m pytest -m gpu -n 12 -q -rfs --tb=short --durations=15 --no-header \
-            -p no:cacheprovider --ignore=tests/kernels/test_gluon_linear.py --ignore=tests/kernels/test_gluon_ws.py ;;
+        tests) gpu_tests kernels tests/kernels; gpu_tests rest tests/models tests/service tests/bench ;;
+        tests-kernels) gpu_tests kernels tests/kernels ;;
+        tests-rest) gpu_tests rest tests/models tests/service tests/bench ;;
+        smoke) stage smoke 300 python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --no-header -p no:cacheprovider \
+            tests/kernels/test_activations.py tests/kernels/test_gluon_ws.py tests/models/test_runner_gpu.py \
+            tests/kernels/test_fused_linear_gpu.py -k "not dependent_layers and not large_shapes" ;;
         tests-gluon-small) stage tests-gluon-small 300 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
             -p no:cacheprovider tests/kernels/test_gluon_small_m.py tests/kernels/test_fused_linear_gpu.py ;;
         tests-gluon-ws) stage tests-gluon-ws 240 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
@@ -181,6 +183,6 @@ for s in "${stages[@]}"; do
         ncu) ncu_stage ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
-        *) echo "unknown stage: $s (env tests tests-quick tests-gluon-small tests-gluon-ws tests-tma e2e model kernels kernels-small kernels-full load sweep gluon-sweep mlp-sweep profile fp32 host ab ws-sweep tuner ncu pack)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (see the list at the top of bench/gpu_check.sh)" | tee -a "$log" ;;
     esac
 done
