@@ -8,7 +8,7 @@ import time
 import torch
 
 from fusedserve.kernels.common import gc_paused
-from fusedserve.kernels.timing import LayerTiming, PendingEvents, TimingSink
+from fusedserve.models.timing import LayerTiming, PendingEvents, TimingSink
 from fusedserve.kernels import rules
 from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models.mlp import MLP
