@@ -1,7 +1,7 @@
 """The MLP served by fusedserve: a config, a fused linear layer and the model built from them.
 
 Definition only: loading lives in ``models.loading`` and running (buckets, CUDA graphs, timing)
-in ``models.runner``.
+in ``models.runner``, which times each layer through ``MLP.forward``'s ``hook``.
 """
 
 from __future__ import annotations
@@ -93,8 +93,11 @@ class FusedLinear(nn.Module):
 
     Same parameters as ``nn.Linear`` (weight ``[out, in]``, bias ``[out]``). Backend "triton" runs
     ``kernels.fused_linear`` (bias and activation in the GEMM epilogue); "torch" is the plain
-    reference ``act(F.linear(x, weight, bias))``.
+    reference ``act(F.linear(x, weight, bias))``. ``static_weight``: passed to ``fused_linear``; a
+    runner sets it on the layers it serves, whose weights nothing writes while they run.
     """
+
+    static_weight = False
 
     def __init__(self, in_features: int, out_features: int, activation: str = "relu",
                  backend: str = "torch", device=None, dtype=None):
@@ -128,7 +131,7 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in_features] -> [M, out_features]
         if self.backend == "triton":
-            return self._fused_linear(x, self.weight, self.bias, self.activation)
+            return self._fused_linear(x, self.weight, self.bias, self.activation, static_weight=self.static_weight)
         return TORCH_ACTIVATIONS[self.activation](F.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
@@ -154,6 +157,12 @@ class MLP(nn.Module):
         # float32 whatever the model dtype: raw inputs may be large before normalization.
         self.register_buffer("input_shift", torch.zeros(config.in_features, device=device))
         self.register_buffer("input_scale", torch.ones(config.in_features, device=device))
+        self._normalize_kernel = None
+        if backend == "triton":
+            from fusedserve.kernels.normalize import normalize
+
+            # One launch instead of torch's two or three elementwise ones, and the same bits.
+            self._normalize_kernel = normalize
 
     @property
     def device(self) -> torch.device:
@@ -161,10 +170,17 @@ class MLP(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] raw values, any float dtype -> [M, in] normalized, in the model dtype
+        if self._normalize_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
+            return self._normalize_kernel(x, self.input_shift, self.input_scale, self.config.torch_dtype)
         return ((x.float() - self.input_shift) * self.input_scale).to(self.config.torch_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
+        # hook(i), when given, is called before layer i and hook(len(layers)) after the last (timing).
         x = self.normalize(x)  # [M, in]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if hook is not None:
+                hook(i)
             x = layer(x)  # [M, hidden[i]] ... then [M, out]
+        if hook is not None:
+            hook(len(self.layers))
         return x
