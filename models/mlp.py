@@ -1,11 +1,12 @@
 """The MLP served by fusedserve: a config, a fused linear layer and the model built from them.
 
 Definition only: loading lives in ``models.loading`` and running (buckets, CUDA graphs, timing)
-in ``models.runner``.
+in ``models.runner``, which times each layer through ``MLP.forward``'s ``hook``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedserve.kernels.activations import ACTIVATIONS as TORCH_ACTIVATIONS
+from fusedserve.kernels.activations import ACTIVATIONS
+from fusedserve.kernels.rules import m_bucket
 
 BACKENDS = ("triton", "torch")
 
@@ -49,9 +51,9 @@ class MLPConfig:
             if isinstance(width, bool) or not isinstance(width, int) or width < 1:
                 raise ValueError(f"hidden_features must hold positive integers, got {width!r}")
         object.__setattr__(self, "hidden_features", tuple(hidden))
-        if self.activation not in TORCH_ACTIVATIONS:
+        if self.activation not in ACTIVATIONS:
             raise ValueError(
-                f"activation must be one of {sorted(TORCH_ACTIVATIONS)}, got {self.activation!r}"
+                f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -88,28 +90,29 @@ class FusedLinear(nn.Module):
 
     Same parameters as ``nn.Linear`` (weight ``[out, in]``, bias ``[out]``). Backend "triton" runs
     ``kernels.fused_linear`` (bias and activation in the GEMM epilogue); "torch" is the plain
-    reference ``act(F.linear(x, weight, bias))``.
+    reference ``act(F.linear(x, weight, bias))``. ``static_weight``: passed to ``fused_linear``; a
+    runner sets it on the layers it serves, whose weights nothing writes while they run.
     """
+
+    static_weight = False
 
     def __init__(self, in_features: int, out_features: int, activation: str = "relu",
                  backend: str = "torch", device=None, dtype=None):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if activation not in TORCH_ACTIVATIONS:
+        if activation not in ACTIVATIONS:
             raise ValueError(
-                f"activation must be one of {sorted(TORCH_ACTIVATIONS)}, got {activation!r}"
+                f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
             )
         if backend == "triton":
             # Imported here so the torch backend never needs Triton (nor its interpreter set-up).
-            from fusedserve import kernels
+            from fusedserve.kernels import fused_linear_with_choice
 
-            if activation not in kernels.ACTIVATIONS:
-                raise ValueError(
-                    f"activation {activation!r} has no Triton kernel; "
-                    f"kernels.ACTIVATIONS has {sorted(kernels.ACTIVATIONS)}"
-                )
-            self._fused_linear = kernels.fused_linear
+            self._fused_linear = fused_linear_with_choice
+        # What the triton backend ran, per tuning bucket of M (kernels.rules.m_bucket): the runner's
+        # timing records name it.
+        self.choices: dict[int, object] = {}
         self.in_features = in_features
         self.out_features = out_features
         self.activation = activation
@@ -123,8 +126,11 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in_features] -> [M, out_features]
         if self.backend == "triton":
-            return self._fused_linear(x, self.weight, self.bias, self.activation)
-        return TORCH_ACTIVATIONS[self.activation](F.linear(x, self.weight, self.bias))
+            y, choice = self._fused_linear(x, self.weight, self.bias, self.activation, static_weight=self.static_weight)
+            if choice is not None:  # (None: no kernel ran, M, N or K is 0)
+                self.choices[m_bucket(math.prod(x.shape[:-1]))] = choice
+            return y
+        return ACTIVATIONS[self.activation](F.linear(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -149,6 +155,12 @@ class MLP(nn.Module):
         # float32 whatever the model dtype: raw inputs may be large before normalization.
         self.register_buffer("input_shift", torch.zeros(config.in_features, device=device))
         self.register_buffer("input_scale", torch.ones(config.in_features, device=device))
+        self._normalize_kernel = None
+        if backend == "triton":
+            from fusedserve.kernels.triton.normalize import normalize
+
+            # One launch instead of torch's two or three elementwise ones, and the same bits.
+            self._normalize_kernel = normalize
 
     @property
     def device(self) -> torch.device:
@@ -156,10 +168,17 @@ class MLP(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] raw values, any float dtype -> [M, in] normalized, in the model dtype
+        if self._normalize_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
+            return self._normalize_kernel(x, self.input_shift, self.input_scale, self.config.torch_dtype)
         return ((x.float() - self.input_shift) * self.input_scale).to(self.config.torch_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
+        # hook(i), when given, is called before layer i and hook(len(layers)) after the last (timing).
         x = self.normalize(x)  # [M, in]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if hook is not None:
+                hook(i)
             x = layer(x)  # [M, hidden[i]] ... then [M, out]
+        if hook is not None:
+            hook(len(self.layers))
         return x

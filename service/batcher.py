@@ -1,4 +1,4 @@
-"""Dynamic batching for one model, one batch at a time.
+"""Dynamic batching for one model, one batch at a time: the policy around ``service.queue``.
 
 A request that finds the model idle runs at once (waiting would only add latency). Requests that
 arrive while a batch runs queue up; when it finishes, the next batch closes as soon as it holds
@@ -23,22 +23,15 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from fusedserve.kernels import rules
-from fusedserve.service.errors import (
-    BatchFailed,
-    ClientGone,
-    DeadlineExceeded,
-    NotReady,
-    QueueFull,
-)
+from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NotReady
+from fusedserve.service.queue import Pending, RequestQueue
 
 
 log = logging.getLogger(__name__)
@@ -60,14 +53,37 @@ class BatchRecorder(Protocol):
 _IDLE, _FILLING, _BUSY = "idle", "filling", "busy"  # what the batch loop is doing
 
 
-@dataclass(slots=True, eq=False)  # eq=False: the queue finds an item by identity
-class _Pending:
-    x: np.ndarray  # [rows, in] float32
-    future: asyncio.Future
-    enqueued: float  # time.monotonic()
+class WhereToRun:
+    """Whether a batch runs on the event loop's thread or the worker thread (module docstring):
+    inline when its row-count bucket last took less than ``inline_batch_s`` (``inf``: always),
+    and one batch in ``REMEASURE_EVERY`` of a bucket sent to the worker is measured again inline."""
+
+    def __init__(self, inline_batch_s: float):
+        self.inline_batch_s = inline_batch_s
+        # Last compute seconds per bucket of row counts (the runner pads a batch to its bucket).
+        self._compute_s: dict[int, float] = {}
+        # Batches per row-count bucket sent to the worker since that bucket last ran on the loop.
+        self._on_worker: dict[int, int] = {}
+
+    def inline(self, bucket: int) -> bool:
+        last = self._compute_s.get(bucket)
+        inline = self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s)
+        if not inline and last is not None and self.inline_batch_s > 0:
+            self._on_worker[bucket] = self._on_worker.get(bucket, 0) + 1
+            inline = self._on_worker[bucket] >= REMEASURE_EVERY  # measure it again where it would run
+        if inline:
+            self._on_worker.pop(bucket, None)
+        return inline
+
+    def measured(self, bucket: int, seconds: float) -> None:
+        self._compute_s[bucket] = seconds
 
 
 class Batcher:
+    """One model's batcher: owns its queue, ``max_batch_size`` and the delay, closes each batch (module
+    docstring), runs it inline or on the worker thread (``WhereToRun``) and answers every request
+    in it, with its rows of the output or with the batch's error."""
+
     def __init__(self, runner: Runner, *, max_batch_size: int, max_delay_ms: float,
                  max_queue_rows: int, recorders: tuple[BatchRecorder, ...] = (),
                  inline_batch_ms: float = 1.0):
@@ -84,18 +100,13 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000.0
         self.max_queue_rows = max_queue_rows
-        self.inline_batch_s = inline_batch_ms / 1000.0
         self._recorders = recorders
-        self._queue: deque[_Pending] = deque()
-        self._queued_rows = 0
+        self._queue = RequestQueue(runner.name, max_queue_rows)
+        self._where = WhereToRun(inline_batch_ms / 1000.0)
         # The loop sleeps on _wake while idle (any request wakes it) or while filling a batch (only
         # a full batch, the deadline's timer or stop wake it): one wake-up per batch, not per request.
         self._wake = asyncio.Event()
         self._state = _BUSY
-        # Last compute seconds per bucket of row counts (the runner pads a batch to its bucket).
-        self._compute_s: dict[int, float] = {}
-        # Batches per row-count bucket sent to the worker since that bucket last ran on the loop.
-        self._on_worker: dict[int, int] = {}
         self._stopping = False
         self._task: asyncio.Task | None = None
         # One thread, and the loop awaits each batch: the runner computes one batch at a time.
@@ -103,7 +114,11 @@ class Batcher:
 
     @property
     def queued_rows(self) -> int:
-        return self._queued_rows
+        return self._queue.rows
+
+    @property
+    def inline_batch_s(self) -> float:
+        return self._where.inline_batch_s
 
     @property
     def running(self) -> bool:
@@ -128,11 +143,9 @@ class Batcher:
         self._wake.set()
         if self._task is not None:
             await asyncio.wait([self._task])  # a loop that died was logged by _loop_ended
-        while self._queue:  # left only by a dead loop: answer them rather than leave them hanging
-            item = self._queue.popleft()
+        for item in self._queue.clear():  # left only by a dead loop: answer them rather than leave them hanging
             if not item.future.done():
                 item.future.set_exception(NotReady(f"model {self.runner.name!r} stopped serving"))
-        self._queued_rows = 0
         self._executor.shutdown(wait=True)
 
     async def submit(self, x: np.ndarray, timeout_s: float | None = None,
@@ -152,7 +165,7 @@ class Batcher:
         finally:
             if not item.future.done():  # deadline, abandoned, or our caller was cancelled
                 item.future.cancel()
-                self._discard(item)
+                self._queue.discard(item)
         if not item.future.cancelled():
             return item.future.result()
         if abandon is not None and abandon.done():
@@ -161,27 +174,13 @@ class Batcher:
             f"no answer from model {self.runner.name!r} within {timeout_s * 1000:.0f} ms; "
             "raise the timeout or retry when the server is less loaded")
 
-    def _enqueue(self, x: np.ndarray) -> _Pending:
+    def _enqueue(self, x: np.ndarray) -> Pending:
         if self._stopping:
             raise NotReady(f"model {self.runner.name!r} is shutting down; retry on another replica")
-        rows = x.shape[0]
-        if self._queued_rows + rows > self.max_queue_rows:
-            raise QueueFull(
-                f"model {self.runner.name!r} has {self._queued_rows} rows queued (limit "
-                f"{self.max_queue_rows}); retry shortly", headers={"Retry-After": "1"})
-        item = _Pending(x, asyncio.get_running_loop().create_future(), time.monotonic())
-        self._queue.append(item)
-        self._queued_rows += rows
-        if self._state is _IDLE or (self._state is _FILLING and self._queued_rows >= self.max_batch_size):
+        item = self._queue.put(x, asyncio.get_running_loop().create_future())
+        if self._state is _IDLE or (self._state is _FILLING and self._queue.rows >= self.max_batch_size):
             self._wake.set()
         return item
-
-    def _discard(self, item: _Pending) -> None:
-        try:
-            self._queue.remove(item)
-        except ValueError:  # already taken into a batch, whose answer is then dropped
-            return
-        self._queued_rows -= item.x.shape[0]
 
     async def _loop(self) -> None:
         idle, loaded = True, False
@@ -195,10 +194,10 @@ class Batcher:
                 # meanwhile: they are arriving now, so this batch fills like one behind a busy model.
                 idle = not loaded
                 continue
-            if not idle and self._queued_rows < self.max_batch_size and not self._stopping:
+            if not idle and self._queue.rows < self.max_batch_size and not self._stopping:
                 # The model just finished a batch: let this one fill up to the oldest's deadline.
-                await self._sleep(_FILLING, self._queue[0].enqueued + self.max_delay_s - time.monotonic())
-            batch = self._take()
+                await self._sleep(_FILLING, self._queue.oldest.enqueued + self.max_delay_s - time.monotonic())
+            batch = self._queue.take(self.max_batch_size)
             idle = False
             if batch:
                 loaded = await self._execute(batch) and len(batch) > 1
@@ -217,34 +216,14 @@ class Batcher:
             if timer is not None:
                 timer.cancel()
 
-    def _take(self) -> list[_Pending]:
-        """Pop requests in order while they fit; a request is never split across batches."""
-        batch, rows = [], 0
-        while self._queue:
-            item = self._queue[0]
-            n = item.x.shape[0]
-            if rows + n > self.max_batch_size:
-                break
-            self._queue.popleft()
-            self._queued_rows -= n
-            batch.append(item)
-            rows += n
-        return batch
-
-    async def _execute(self, batch: list[_Pending]) -> bool:
+    async def _execute(self, batch: list[Pending]) -> bool:
         """Run ``batch`` and answer its requests; returns whether it ran on the event loop's thread."""
         started = time.monotonic()
         waits = [started - item.enqueued for item in batch]
         x = np.concatenate([item.x for item in batch]) if len(batch) > 1 else batch[0].x
         rows = x.shape[0]
         bucket = rules.bucket(rows, self.max_batch_size)
-        last = self._compute_s.get(bucket)
-        inline = self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s)
-        if not inline and last is not None and self.inline_batch_s > 0:
-            self._on_worker[bucket] = self._on_worker.get(bucket, 0) + 1
-            inline = self._on_worker[bucket] >= REMEASURE_EVERY  # measure it again where it would run
-        if inline:
-            self._on_worker.pop(bucket, None)
+        inline = self._where.inline(bucket)
         try:
             if inline:
                 out, compute_s = self._run(x)
@@ -257,7 +236,7 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(error)
             return inline
-        self._compute_s[bucket] = compute_s
+        self._where.measured(bucket, compute_s)
         start = 0
         for item in batch:
             stop = start + item.x.shape[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from fusedserve.kernels.timing import LayerTiming
+from fusedserve.models.timing import LayerTiming
 
 # Seconds: 50 us (one small GPU batch) to 10 s (a deadline).
 _TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 10)

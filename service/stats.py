@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fusedserve.kernels.timing import LayerTiming
+from fusedserve.models.timing import LayerTiming
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusedserve.kernels.timing import LayerTiming, TimingSink
+from fusedserve.models.timing import LayerTiming, TimingSink
 
 
 class LayerSinks:

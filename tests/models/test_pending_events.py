@@ -1,6 +1,6 @@
 """PendingEvents (the runner's asynchronous CUDA-event timings), driven by stand-in events."""
 
-from fusedserve.kernels.timing import LayerTiming, PendingEvents
+from fusedserve.models.timing import LayerTiming, PendingEvents
 
 
 class FakeEvent:

@@ -130,7 +130,7 @@ def test_fused_warmup_tunes_the_chain_on_the_bucket_before_its_first_launch(monk
     tune_chain, fused_mlp_layer = fused_mlp_module.tune_chain, fused_mlp_module.fused_mlp_layer
 
     def recorded_tune_chain(x, packed, shift, scale):
-        assert packed is runner._packed and x.data_ptr() == runner.input_buffer.data_ptr()
+        assert packed is runner._paths["fused"].packed and x.data_ptr() == runner.input_buffer.data_ptr()
         calls.append(("tune", x.shape[0]))
         return tune_chain(x, packed, shift, scale)
 

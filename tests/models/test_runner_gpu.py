@@ -43,7 +43,7 @@ def test_graphs_on_and_off_give_equal_outputs(fused, max_batch, rows_list):
     graphed.warmup()
     eager.warmup()
     assert graphed.cuda_graphs, "capture fell back to eager launches: see the logged warning"
-    assert sorted(graphed._graphs) == graphed.buckets
+    assert sorted(graphed._graphs.plain) == graphed.buckets
     torch.manual_seed(1)
     for rows in rows_list:
         x = torch.randn(rows, IN)
@@ -85,7 +85,7 @@ def test_timed_batches_replay_a_graph_with_events_and_match_untimed_ones(fused, 
     plain = ModelRunner(model, max_batch_size=max_batch, fused=fused)
     timed.warmup()
     plain.warmup()
-    assert sorted(timed._timed_graphs) == timed.buckets, "no timed graph: see the logged warning"
+    assert sorted(timed._graphs.timed) == timed.buckets, "no timed graph: see the logged warning"
     torch.manual_seed(2)
     for rows in rows_list:
         x = torch.randn(rows, IN)
@@ -157,7 +157,7 @@ def test_compute_replays_the_graph_run_uses():
     via_run = runner.run(x)
     runner.input_buffer[:3].copy_(x)
     out = runner.compute(4)
-    assert 4 in runner._graphs and out.device.type == "cuda" and out.shape == (4, OUT)
+    assert 4 in runner._graphs.plain and out.device.type == "cuda" and out.shape == (4, OUT)
     # The same captured graph on the same rows: bitwise equal.
     torch.testing.assert_close(out[:3].float().cpu(), via_run, rtol=0, atol=0)
 
@@ -173,7 +173,8 @@ def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp
     runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, timing_sink=sink,
                          timing_sample_every=1, timing_min_interval_s=0, fused=True)
     runner.warmup()
-    keys = {fused_mlp._tune_key(bucket, runner._packed, i) for bucket in runner.buckets for i in (0, 1)}
+    packed = runner._paths["fused"].packed
+    keys = {fused_mlp._tune_key(bucket, packed, i) for bucket in runner.buckets for i in (0, 1)}
     assert set(json.loads(cache.path.read_text())) == keys, "warm-up chain-tunes every layer of every bucket"
     for rows in (1, 3, 5):
         runner.run(torch.randn(rows, IN))
@@ -181,7 +182,7 @@ def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp
     assert len(sink.timings) == 6, sink.timings
     for t in sink.timings:  # the configs the captured graphs launch: the chain-tuned ones
         index = int(t.layer.removeprefix("layers."))
-        assert t.config == config_str(cache.get(fused_mlp._tune_key(t.M, runner._packed, index))), t
+        assert t.config == config_str(cache.get(fused_mlp._tune_key(t.M, packed, index))), t
 
 
 def test_automatic_choice_leaves_out_a_path_that_fails(monkeypatch, caplog):

@@ -337,10 +337,10 @@ async def test_gc_freeze_after_warm_up(repository):
 async def test_a_dead_batch_loop_fails_both_probes(client):
     batcher = client.app.state.service.batchers["tiny"]
 
-    def broken_take():
+    def broken_take(max_rows):
         raise RuntimeError("bug in the batch loop")
 
-    batcher._take = broken_take  # the loop's next batch kills it
+    batcher._queue.take = broken_take  # the loop's next batch kills it
     r = await client.post("/infer", json={"model": "tiny", "inputs": [[1.0, 2.0, 3.0]]},
                           headers={"X-Request-Timeout-Ms": "300"})
     assert r.status_code == 504, r.text

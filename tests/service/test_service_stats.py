@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from fusedserve.kernels.timing import LayerTiming
+from fusedserve.models.timing import LayerTiming
 from fusedserve.service.stats import ServiceStats
 
 

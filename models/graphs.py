@@ -1,0 +1,81 @@
+"""CUDA graphs of a runner's buckets: a plain graph per bucket, and a timed twin with events between layers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from fusedserve.kernels.device import gc_paused
+
+log = logging.getLogger(__name__)
+
+# forward(hook) computes one bucket on the runner's input buffer and returns the device output;
+# hook(i), when given, is called before layer i and once after the last layer (see MLP.forward).
+Forward = Callable[..., torch.Tensor]
+
+
+class BucketGraphs:
+    """The graphs of one runner: ``plain[bucket] = (graph, static output)`` and
+    ``timed[bucket] = (graph, static output, events)``, the same launches with an external CUDA
+    event recorded before each layer and after the last (a replay hides single kernels; the
+    events split them apart for sampled timings).
+
+    Every graph shares one memory pool: the runner replays one at a time, and each kept graph's
+    output stays referenced, so no capture reuses another's output. Capture only after every
+    kernel of the bucket is tuned: timing configs inside a capture would break it.
+    """
+
+    def __init__(self, name: str, device: torch.device, num_layers: int):
+        self.name = name
+        self.device = device
+        self.num_layers = num_layers
+        self.plain: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.timed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self._pool = None
+
+    def clear(self) -> None:
+        self.plain.clear()
+        self.timed.clear()
+
+    def record(self, forward: Forward, hook=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """``(graph, static output)`` of ``forward(hook)``; raises what the capture raises."""
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # thread_local: a stats reader collecting timings on another thread must not break it.
+        with torch.no_grad(), gc_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = forward(hook)
+        return graph, out
+
+    def capture(self, bucket: int, path: str, forward: Forward):
+        """``(graph, static output)`` of ``forward`` (the ``path`` at ``bucket``), or None when the
+        capture fails: then every graph is dropped (the runner launches eagerly from now on)."""
+        try:
+            return self.record(forward)
+        except Exception:  # any failure: eager launches give the same answers, only slower
+            log.warning("CUDA graph capture failed for %r at M=%d (%s path); it runs eager launches "
+                        "from now on", self.name, bucket, path, exc_info=True)
+            self.clear()
+            return None
+
+    def capture_timed(self, bucket: int, forward: Forward) -> bool:
+        """Capture ``forward`` at ``bucket`` with events between layers into ``timed``; False (timed
+        batches then launch eagerly) where that cannot be captured: torch < 2.8 has no external
+        events."""
+        try:
+            marks = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(self.num_layers + 1)]
+        except TypeError:
+            log.info("this torch cannot record CUDA events inside a graph; timed batches of %r run "
+                     "eagerly", self.name)
+            return False
+        try:
+            graph, out = self.record(forward, lambda i: marks[i].record())
+        except Exception:
+            log.warning("the timed CUDA graph of %r at M=%d could not be captured; its timed batches run "
+                        "eagerly", self.name, bucket, exc_info=True)
+            torch.cuda.synchronize(self.device)
+            return False
+        self.timed[bucket] = (graph, out, marks)
+        return True

@@ -1,0 +1,122 @@
+"""The two ways a runner computes a bucket, what each layer runs on them, and the timed choice.
+
+"layers": the model's own ``MLP.forward`` (its input normalization, then each ``FusedLinear``).
+"fused": ``kernels/triton/fused_mlp.py``, one launch per layer with the input normalization fused into layer
+0, its layers' configs tuned together on the whole chain (``tune_chain``) at warm-up.
+Both take the raw float32 input ``[bucket, in]`` and a per-layer ``hook`` (see ``MLP.forward``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedserve.kernels.family import config_str
+from fusedserve.kernels.rules import m_bucket
+from fusedserve.kernels.triton import fused_mlp
+from fusedserve.models.mlp import MLP
+
+# Warm-up times each candidate path with this many rounds of back-to-back calls (best round wins).
+CHOICE_ROUNDS, CHOICE_CALLS = 3, 10
+
+
+class LayersPath:
+    """The model's own forward. Its layers are marked ``static_weight``: a served model's weights
+    are loaded, then synchronized in warm-up, and nothing writes them while it runs, so each layer
+    may start streaming its weights before the previous layer ends."""
+
+    name = "layers"
+
+    def __init__(self, model: MLP):
+        self.model = model
+        for layer in model.layers:
+            layer.static_weight = True
+
+    def tune(self, x: torch.Tensor) -> None:
+        """Nothing ahead: each layer's first launch at a new bucket tunes its kernel."""
+
+    def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
+        return self.model(x, hook)  # [bucket, in] -> [bucket, out]
+
+    def kernel(self, index: int, bucket: int) -> tuple[str, str]:
+        """``(kernel, config)`` that layer ``index`` ran at ``bucket``, as its last call there reported
+        it ("", "" before it has run there)."""
+        layer = self.model.layers[index]
+        if self.model.backend == "torch":
+            return ("torch.linear" if layer.activation == "none" else f"torch.linear+{layer.activation}", "")
+        choice = layer.choices.get(m_bucket(bucket))
+        return ("", "") if choice is None else (choice.kernel, choice.describe())
+
+
+class FusedPath:
+    """``fused_mlp`` on the model's weights, packed once into two buffers."""
+
+    name = "fused"
+
+    def __init__(self, model: MLP):
+        self.model = model
+        layers = model.layers
+        self.packed = fused_mlp.pack_mlp([l.weight.detach() for l in layers], [l.bias.detach() for l in layers],
+                                         model.config.activation)
+
+    def tune(self, x: torch.Tensor) -> None:
+        """Every layer's config at this bucket, timed in the whole chain (once per bucket and GPU)."""
+        fused_mlp.tune_chain(x, self.packed, self.model.input_shift, self.model.input_scale)
+
+    def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
+        model, h = self.model, x
+        for i in range(self.packed.num_layers):  # [bucket, in] -> [bucket, hidden[i]] ... -> [bucket, out]
+            if hook is not None:
+                hook(i)
+            h = fused_mlp.fused_mlp_layer(h, self.packed, i, model.input_shift, model.input_scale)
+        if hook is not None:
+            hook(self.packed.num_layers)
+        return h
+
+    def kernel(self, index: int, bucket: int) -> tuple[str, str]:
+        """``(kernel, config)`` that layer ``index`` runs at ``bucket``."""
+        config = fused_mlp.layer_config(bucket, self.packed, index, self.model.device)
+        return fused_mlp.NAME, config_str(config)
+
+
+def candidate_paths(model: MLP, fused: bool | None) -> dict:
+    """The paths a runner of ``model`` may take, by name, in order of preference on a tie.
+
+    ``fused=None``: with the triton backend both on CUDA (timed per bucket at warm-up), "fused"
+    alone under the CPU interpreter; "layers" with the torch backend. ``True``/``False`` forces one.
+    """
+    dtype, device = model.config.torch_dtype, model.device
+    use_fused = fused is not False and (fused or model.backend == "triton")
+    if use_fused:
+        fits = model.backend == "triton" and fused_mlp.fused_mlp_supported(model.config.widths, dtype, device)
+        if fused and not fits:
+            raise ValueError(f"fused=True but model {model.name!r} ({dtype}, backend {model.backend}, "
+                             f"{device}) cannot run the fused MLP chain: it needs the triton backend")
+        use_fused = fits
+    if not use_fused:
+        return {"layers": LayersPath(model)}
+    if fused is None and device.type == "cuda":
+        return {"fused": FusedPath(model), "layers": LayersPath(model)}
+    return {"fused": FusedPath(model)}
+
+
+def seconds_per_call(step) -> float:
+    """Seconds per call of ``step`` on CUDA (events around back-to-back calls), best of a few rounds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    with torch.no_grad():
+        step()
+        for _ in range(CHOICE_ROUNDS):
+            start.record()
+            for _ in range(CHOICE_CALLS):
+                step()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3 / CHOICE_CALLS)  # elapsed_time is in ms
+    return best
+
+
+def choose(steps: dict) -> tuple[str, dict[str, float]]:
+    """The fastest of ``steps`` (path name -> one call of it, as the runner would make it) and
+    every path's seconds per call; the first named wins a tie."""
+    seconds = {name: seconds_per_call(step) for name, step in steps.items()}
+    return min(seconds, key=seconds.get), seconds

@@ -1,0 +1,63 @@
+"""A runner's input and output staging: rows in, padded on the device, and outputs back to the host."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Staging:
+    """The preallocated device input ``[max_batch_size, in_features]`` float32 that batches are padded
+    into, and on CUDA page-locked host buffers for the copies in and out (copies from or to pageable
+    memory cost a driver bounce each).
+
+    Contract: ``copy_out`` synchronizes the stream, so when the next ``copy_in`` writes the host
+    staging buffer no copy still reads it, and whatever the batch recorded (events) is finished.
+    Rows past a batch keep what an earlier batch left there: rows are independent, so padded rows
+    are computed and dropped without changing real ones.
+    """
+
+    def __init__(self, name: str, max_batch_size: int, in_features: int, out_features: int,
+                 device: torch.device):
+        self.name = name
+        self.max_batch_size = max_batch_size
+        self.in_features = in_features
+        self.device = device
+        self.input = torch.zeros(max_batch_size, in_features, device=device)
+        self._host_in = self._host_out = None
+        if device.type == "cuda":
+            self._host_in = torch.empty(max_batch_size, in_features, pin_memory=True)
+            self._host_out = torch.empty(max_batch_size, out_features, pin_memory=True)
+
+    def check(self, x) -> int:
+        """Rows of ``x`` once it is a float32 CPU ``[M, in_features]`` tensor with 1 to
+        ``max_batch_size`` rows; TypeError or ValueError saying what is wrong otherwise."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"x must be float32, got {x.dtype}")
+        if x.device.type != "cpu":
+            raise ValueError(f"x must be a CPU tensor, got one on {x.device}")
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must have shape [M, {self.in_features}] for model {self.name!r}, "
+                             f"got {list(x.shape)}")
+        rows = x.shape[0]
+        if not 1 <= rows <= self.max_batch_size:
+            raise ValueError(f"x must have 1 to {self.max_batch_size} rows (max_batch_size), got {rows}")
+        return rows
+
+    def copy_in(self, x: torch.Tensor, rows: int) -> None:
+        """``x`` (``[rows, in]``, checked) into the first rows of ``input``."""
+        if self._host_in is None:
+            self.input[:rows].copy_(x)
+        else:  # the previous copy_out synchronized, so no copy still reads the staging buffer
+            self._host_in[:rows].copy_(x)
+            self.input[:rows].copy_(self._host_in[:rows], non_blocking=True)
+
+    def copy_out(self, out: torch.Tensor, rows: int) -> torch.Tensor:
+        """The first ``rows`` of the device output ``out`` as float32 on the CPU; on CUDA the stream
+        is synchronized when this returns."""
+        if self._host_out is None:
+            return out[:rows].float().cpu()
+        self._host_out[:rows].copy_(out[:rows].float(), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return self._host_out[:rows].clone()  # the staging buffer is the next batch's
