@@ -1,4 +1,4 @@
-"""Sweep ``kernels.fused_mlp``'s tile configs layer by layer on the benchmark models: the data behind
+"""Sweep ``kernels/triton/fused_mlp.py``'s tile configs layer by layer on the benchmark models: the data behind
 ``fused_mlp_config``.
 
 Run on a CUDA GPU from the repository root (stops starting new configs after --budget-s):

@@ -32,11 +32,11 @@ class ModelRunner:
     there) never change real rows; they are computed and dropped.
 
     ``warmup()`` warms every bucket: each candidate path runs once (autotuning its kernels at that
-    shape; the fused path's layers are tuned together first, ``kernels.fused_mlp.tune_chain``), then
+    shape; the fused path's layers are tuned together first, ``fused_mlp.tune_chain``), then
     on CUDA one CUDA graph per path is captured (only after tuning: timing configs inside a capture
     would break it). If a capture fails, the runner logs why and launches eagerly.
 
-    Paths (``models.paths``): with the triton backend a bucket runs either "fused" (``kernels.fused_mlp``:
+    Paths (``models.paths``): with the triton backend a bucket runs either "fused" (``kernels/triton/fused_mlp.py``:
     one launch per layer, the input normalization fused into the first) or "layers" (the model's own
     forward: normalization, then each layer's ``kernels.fused_linear``). ``fused=None`` measures
     both on CUDA at warm-up (CUDA events around back-to-back graph replays, as ``compute`` runs

@@ -63,7 +63,7 @@ def _tma_persistent_kernel(
     num_in_group = GROUP_M * num_pid_n
 
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-        # Grouped tile order (see kernels.tiled).
+        # Grouped tile order (see triton/tiled.py).
         first_m = (tile // num_in_group) * GROUP_M
         group_rows = min(num_pid_m - first_m, GROUP_M)
         off_m = (first_m + (tile % num_in_group) % group_rows) * BLOCK_M
