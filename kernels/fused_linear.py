@@ -8,6 +8,7 @@ and launches it.
 import math
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -15,7 +16,7 @@ from fusedserve.kernels import choosing, registry
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.arguments import check_args
 from fusedserve.kernels.choosing import Choice
-from fusedserve.kernels.rules import problem_of, problem_of_shape
+from fusedserve.kernels.rules import problem_of, problem_of_shape, tuning_rows
 
 
 def _unit_column_stride(t):
@@ -92,6 +93,9 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
     if why is not None:
         raise ValueError(f"name {name!r} cannot run M={problem.M} N={problem.N} K={problem.K} {problem.dtype} "
                          f"on {x2d.device}: {why}")
+    if not family.candidates(replace(problem, M=tuning_rows(problem.M))):
+        raise ValueError(f"name {name!r} has no config for M={problem.M} N={problem.N} K={problem.K} "
+                         f"{problem.dtype} (see its candidates())")
     choice = choosing.choose(problem, x2d, weight, bias, activation, families=(family,))
     return choosing.launch(choice, x2d, weight, bias, activation).reshape(*lead, weight.shape[0])
 

@@ -473,3 +473,16 @@ def test_fp32_dot_precision_follows_torch_and_the_environment(monkeypatch):
         assert dot_precision(torch.float32) == "ieee"
     finally:
         matmul.allow_tf32 = old
+
+
+def test_run_kernel_on_a_shape_its_family_has_no_config_for_says_so(monkeypatch):
+    import dataclasses
+
+    from fusedserve.kernels import registry
+
+    empty = tuple(dataclasses.replace(f, candidates=lambda p: []) if f.name == "triton_tiled" else f
+                  for f in registry.families())
+    monkeypatch.setattr(registry, "families", lambda: empty)
+    x, w, b = make(3, 100, 130, torch.float16)
+    with pytest.raises(ValueError, match="name 'triton_tiled' has no config for M=3"):
+        run_kernel("triton_tiled", x, w, b)
