@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make serve` and `make test`. Both build the virtual environment
-# on first use. On a CPU-only machine TORCH pins the CPU build we test with; on a machine that
-# already has a CUDA build of torch, run `make TORCH=torch serve` (any torch >= 2.5 satisfies us).
+# on first use. TORCH goes in first: by default the CPU build CI tests with (torch 2.13.0; CPU builds
+# pin no triton, so the triton 3.6 our kernels need installs beside it). On a CUDA machine use
+# `make TORCH=torch==2.11.0 serve`: a CUDA build of 2.10 or 2.11 is what pairs with triton 3.6.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
