@@ -5,6 +5,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# tests/deploy checks our KServe manifests against the models the KServe SDK generates from its CRDs;
+# the SDK's own runtime dependencies (a pinned starlette, grpcio, pandas) are not needed for that.
+KSERVE ?= kserve==0.21.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # make container-test: the image it builds and the local Debian base it builds on.
@@ -13,11 +16,12 @@ CONTAINER_BASE ?= localhost/fusedserve-test-base:bookworm
 
 .PHONY: serve test lint container-test gpu-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q --no-deps "$(KSERVE)"
 	touch $@
 
 serve: $(STAMP)
