@@ -2,6 +2,7 @@
 #   docker build -t fusedserve:gpu . && docker run --gpus all -p 8000:8000 fusedserve:gpu
 #   docker build --build-arg FLAVOUR=cpu --build-arg TORCH_INDEX=<PyTorch's CPU wheel index> -t fusedserve:cpu .
 # The bases are build arguments too: `make container-test` builds the CPU image on a local Debian base.
+# podman before 4.4 (buildah 1.28) ignores ARG defaults in FROM: pass FLAVOUR there even for gpu.
 ARG FLAVOUR=gpu
 # torch 2.11.0+cu130 with triton 3.6, the build every GPU figure was measured on. The devel flavour
 # carries the C compiler that Triton needs at run time to build its launchers.
