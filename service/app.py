@@ -118,6 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
     state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
     app.state.service = state
+    state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining)
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from fusedserve.models.timing import LayerTiming
 
 # Seconds: 50 us (one small GPU batch) to 10 s (a deadline).
 _TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 10)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class _Queue(Protocol):
+    @property
+    def queued_rows(self) -> int: ...
+
+
+class _QueuedRows:
+    """``fusedserve_queued_rows``, read from each model's batcher at scrape time: the load signal an
+    autoscaler scales on (deploy/base/hpa.yaml, through prometheus-adapter)."""
+
+    def __init__(self, queues: Mapping[str, _Queue]):
+        self._queues = queues
+
+    def collect(self):
+        family = GaugeMetricFamily("fusedserve_queued_rows", "Rows waiting in a model's queue for a batch",
+                                   labels=["model"])
+        for model, queue in sorted(self._queues.items()):
+            family.add_metric([model], queue.queued_rows)
+        yield family
 
 
 class Metrics:
@@ -32,6 +56,10 @@ class Metrics:
         self._children: dict[str, tuple] = {}
         self._layers: dict[tuple[str, str, str], tuple] = {}
         self._requests: dict[tuple[str, str], object] = {}
+
+    def watch_queues(self, queues: Mapping[str, _Queue]) -> None:
+        """Export ``queued_rows`` of every queue in ``queues`` (a live mapping, read at each scrape)."""
+        self.registry.register(_QueuedRows(queues))
 
     def record_layer(self, timing: LayerTiming) -> None:
         labels = (timing.model, timing.layer, timing.kernel)
