@@ -7,6 +7,7 @@
 #   tests-kernels (tests/kernels) and tests-rest (tests/models, tests/service, tests/bench). Each
 #   part writes gpu_record_<part>.json (bench/gpu_record.py: the git trees of kernels/ and models/
 #   it ran on, GPU, versions, pytest's summary); merge them into tests/gpu_record.json.
+#   tests-all: the whole suite in one pytest (about 8 minutes on an H100 with 16 workers).
 # smoke: a few minutes of GPU tests across every kernel family and the runner, after a refactor.
 # tests-gluon-small, tests-gluon-ws, tests-tma: one family's GPU tests.
 # e2e: a real server on the GPU answers POST /infer; its answers must match the CPU model.
@@ -112,7 +113,7 @@ ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NC
 
 gpu_tests() {  # gpu_tests PART PATH...: one part of the GPU suite, then its record
     local part=$1; shift
-    stage "tests-$part" 560 python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --durations=10 --no-header \
+    stage "tests-$part" "${GPU_TESTS_LIMIT:-560}" python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --durations=10 --no-header \
         -p no:cacheprovider "$@" 2>&1 | tee "$out/tests_$part.log"
     python3 bench/gpu_record.py part "$part" "$out/tests_$part.log" "$out/gpu_record_$part.json"
 }
@@ -141,6 +142,7 @@ for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
         tests) gpu_tests kernels tests/kernels; gpu_tests rest tests/models tests/service tests/bench ;;
+        tests-all) GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-500} gpu_tests all tests/kernels tests/models tests/service tests/bench ;;
         tests-kernels) gpu_tests kernels tests/kernels ;;
         tests-rest) gpu_tests rest tests/models tests/service tests/bench ;;
         smoke) stage smoke 300 python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --no-header -p no:cacheprovider \
