@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from fusedserve.service.batcher import Batcher
+from fusedserve.service.engine import LocalEngine
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.middleware import RequestIdMiddleware
@@ -118,6 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
     state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
     app.state.service = state
+    app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining)
     app.add_exception_handler(ServiceError, _service_error)
