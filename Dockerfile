@@ -1,5 +1,5 @@
 # fusedserve's GPU image (the default) and CPU image, from this one file:
-#   docker build -t fusedserve:gpu . && docker run --gpus all -p 8000:8000 fusedserve:gpu
+#   docker build -t fusedserve:gpu . && docker run --gpus all -p 8000:8000 -p 8001:8001 fusedserve:gpu
 #   docker build --build-arg FLAVOUR=cpu --build-arg TORCH_INDEX=<PyTorch's CPU wheel index> -t fusedserve:cpu .
 # The bases are build arguments too: `make container-test` builds the CPU image on a local Debian base.
 # podman before 4.4 (buildah 1.28) ignores ARG defaults in FROM: pass FLAVOUR there even for gpu.
@@ -53,7 +53,8 @@ RUN pip install --no-cache-dir --no-deps . \
     && chown -R fusedserve /models
 
 USER 10001
-EXPOSE 8000
+# HTTP, and KServe v2 gRPC (FUSEDSERVE_GRPC_PORT's default)
+EXPOSE 8000 8001
 # Ready once every model is loaded, tuned and warm: on an H200 with an empty tune cache the shipped
 # repository took 112 s, one more 4x2048 model 192 s. healthcheck.py asks the configured host and port.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 CMD ["python", "/app/healthcheck.py"]

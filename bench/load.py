@@ -74,8 +74,9 @@ class ServerProcess:
         self.log = log_dir / f"server_{label}.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         with open(self.log, "wb") as out:
+            # --grpc-port 0: this benchmark drives HTTP, and two servers must not both take 8001.
             self.proc = subprocess.Popen([sys.executable, "-m", "fusedserve", "serve", "--port", str(self.port),
-                                          "--log-level", "warning", *flags],
+                                          "--grpc-port", "0", "--log-level", "warning", *flags],
                                          cwd=ROOT, env=env, stdout=out, stderr=out)
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -194,7 +195,7 @@ async def _breakdown(device: str, body: bytes, reps: int) -> dict:
     from fusedserve.service.inputs import dump_json, parse_json, rows_from_json
     from fusedserve.service.settings import Settings
 
-    settings = Settings(device=device, max_batch_size=64, gc_freeze=False)  # the shipped digits only
+    settings = Settings(device=device, max_batch_size=64, gc_freeze=False, grpc_port=0)  # shipped digits, HTTP only
     app = create_app(settings)
     headers = [(b"host", b"bench"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]

@@ -1,4 +1,4 @@
-"""The app factory: lifespan (load, warm up, batch, drain), error handlers, routers."""
+"""The app factory: lifespan (load, start gRPC, warm up, batch, drain), error handlers, routers."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from fusedserve.service.batcher import Batcher
+from fusedserve.service.engine import LocalEngine
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.middleware import RequestIdMiddleware
@@ -63,6 +64,21 @@ async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
     log.info("ready: %s", sorted(state.batchers))
 
 
+async def _start_grpc(app: FastAPI):
+    """The gRPC server on ``grpc_port`` (None when 0: off), draining with the rest of the service."""
+    state: ServiceState = app.state.service
+    settings = state.settings
+    if not settings.grpc_port:
+        return None
+    from fusedserve.service.grpc_server import GrpcServer  # grpc is imported only when it serves
+
+    server = GrpcServer(app.state.engine, settings)
+    await server.start()
+    state.drain_hooks.append(lambda: server.drain(settings.drain_grace_s))
+    app.state.grpc = server
+    return server
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     state: ServiceState = app.state.service
@@ -79,12 +95,16 @@ async def _lifespan(app: FastAPI):
         state.runners[r.name] = r
         state.models[r.name] = ModelInfo(r.name, r.in_features, r.out_features, str(r.dtype).removeprefix("torch."),
                                          r.backend, str(r.device))
+    # gRPC listens from here, like HTTP: liveness and metadata now, readiness and inference once warm.
+    grpc_server = await _start_grpc(app)
     # Warm-up (autotuning, CUDA graphs) can take a while: serve liveness meanwhile, readiness after.
     warm = asyncio.create_task(_warm_up_and_serve(state, runners))
     try:
         yield
     finally:
-        state.draining = True
+        state.start_draining()
+        if grpc_server is not None:  # calls in flight are answered before the batchers stop
+            await grpc_server.stop(state.settings.drain_grace_s)
         if not warm.done():
             warm.cancel()
         await asyncio.gather(warm, return_exceptions=True)
@@ -118,6 +138,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
     state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
     app.state.service = state
+    app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
+    app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining)
     app.add_exception_handler(ServiceError, _service_error)

@@ -12,6 +12,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _FLAGS = {
     "--host": ("host", str, "interface to bind (default 127.0.0.1)"),
     "--port": ("port", int, "TCP port (default 8000)"),
+    "--grpc-port": ("grpc_port", int, "KServe v2 gRPC port (default 8001); 0 turns gRPC off"),
     "--model-repository": ("model_repository", str, "folder of model directories (default: shipped)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:<index>"),
     "--backend": ("backend", str, "auto, triton or torch"),
@@ -31,7 +32,7 @@ _FLAGS = {
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="fusedserve", description="Serve MLPs on fused Triton kernels.")
     sub = top.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model repository over HTTP")
+    serve = sub.add_parser("serve", help="serve a model repository over HTTP and gRPC")
     for flag, (field, kind, help_text) in _FLAGS.items():
         env = "FUSEDSERVE_" + field.upper()
         serve.add_argument(flag, dest=field, type=kind, default=None, help=f"{help_text}; env {env}")

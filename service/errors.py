@@ -1,10 +1,12 @@
-"""Errors the service answers with, each carrying its HTTP status and a message saying what to fix."""
+"""Errors the service answers with, each carrying its HTTP status, its gRPC status code (a
+``grpc.StatusCode`` name; this module does not import grpc) and a message saying what to fix."""
 
 from __future__ import annotations
 
 
 class ServiceError(Exception):
     status = 500
+    grpc_code = "INTERNAL"
     outcome = "error"  # label for the requests counter in /metrics
 
     def __init__(self, message: str, headers: dict[str, str] | None = None):
@@ -15,40 +17,48 @@ class ServiceError(Exception):
 
 class BadInput(ServiceError):
     status = 422
+    grpc_code = "INVALID_ARGUMENT"
     outcome = "bad_input"
 
 
 class PayloadTooLarge(ServiceError):
     status = 413
+    grpc_code = "INVALID_ARGUMENT"
     outcome = "too_large"
 
 
 class UnknownModel(ServiceError):
     status = 404
+    grpc_code = "NOT_FOUND"
     outcome = "unknown_model"
 
 
 class NotReady(ServiceError):
     status = 503
+    grpc_code = "UNAVAILABLE"
     outcome = "not_ready"
 
 
 class QueueFull(ServiceError):
     status = 503
+    grpc_code = "UNAVAILABLE"
     outcome = "queue_full"
 
 
 class DeadlineExceeded(ServiceError):
     status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
     outcome = "timeout"
 
 
 class BatchFailed(ServiceError):
     status = 500
+    grpc_code = "INTERNAL"
     outcome = "failed"
 
 
 class ClientGone(ServiceError):
     # Never seen by the client (it left); 499 is the conventional log status for that.
     status = 499
+    grpc_code = "CANCELLED"
     outcome = "disconnected"

@@ -1,14 +1,15 @@
-"""One request through its model's batcher: deadline, client disconnects, stats and metrics."""
+"""One HTTP request through the engine: its deadline (the server's, or shorter from a header) and a
+watch for the client disconnecting; the engine counts it in the stats and metrics."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 from fastapi import Request
 
-from fusedserve.service.errors import BadInput, ServiceError
+from fusedserve.service.engine import Engine
+from fusedserve.service.errors import BadInput
 from fusedserve.service.state import ServiceState
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
@@ -37,16 +38,10 @@ async def _disconnected(request: Request) -> None:
 async def infer(state: ServiceState, request: Request, model: str, x: np.ndarray) -> np.ndarray:
     """Outputs [rows, out] for ``x``; raises ServiceError subclasses (recorded by the app's handler)."""
     request.state.model = model
-    t0 = time.perf_counter()
     timeout_s = _timeout_s(state, request)
+    engine: Engine = request.app.state.engine
     watch = asyncio.ensure_future(_disconnected(request))
     try:
-        out = await state.batchers[model].submit(x, timeout_s, abandon=watch)
-    except ServiceError:
-        state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
-        raise
+        return await engine.infer(model, x, timeout_s, abandon=watch)
     finally:
         watch.cancel()
-    state.stats.record_request(model, ok=True, seconds=time.perf_counter() - t0)
-    state.metrics.record_request(model, "ok")
-    return out

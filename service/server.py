@@ -1,6 +1,8 @@
 """uvicorn with a drain on SIGTERM: readiness turns false and every connection keeps being answered
 (with ``Connection: close``) for ``drain_grace_s``; only then does uvicorn stop. Plain uvicorn closes
-idle keep-alive connections at once, so requests already on their way get a connection reset."""
+idle keep-alive connections at once, so requests already on their way get a connection reset.
+The gRPC server drains at the same moment (``ServiceState.drain_hooks``): new calls are refused,
+calls in flight are answered."""
 
 from __future__ import annotations
 
@@ -34,4 +36,5 @@ class DrainingServer(uvicorn.Server):
         self.state.draining = True
         log.info("SIGTERM: draining for %.1f s before closing connections", self.grace_s)
         # call_soon_threadsafe is the loop API that is safe from a signal handler.
+        self._loop.call_soon_threadsafe(self.state.start_draining)
         self._loop.call_soon_threadsafe(self._loop.call_later, self.grace_s, super().handle_exit, sig, frame)

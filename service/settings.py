@@ -20,6 +20,8 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # KServe v2 gRPC on the same host (Triton's default port); 0 turns gRPC off.
+    grpc_port: int = Field(8001, ge=0, le=65535)
     model_repository: Path = Field(default_factory=_shipped_repository)
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:<index>"
     backend: str = "auto"  # "auto", "triton" or "torch"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,14 @@ class ServiceState:
     serving: bool = False  # models loaded, warmed up, batchers running
     draining: bool = False  # SIGTERM seen: still answering, but readiness says no
     startup_error: str | None = None
+    # Run once, on the event loop, when draining starts: each front end's own drain (gRPC's).
+    drain_hooks: list[Callable[[], None]] = field(default_factory=list)
+
+    def start_draining(self) -> None:
+        """Readiness turns false, and every front end starts to drain."""
+        self.draining = True
+        while self.drain_hooks:
+            self.drain_hooks.pop(0)()
 
     def collect_timings(self) -> None:
         """Hand every layer timing the device has finished to the stats and metrics, without

@@ -47,6 +47,13 @@ def _undo_interpreter_patches(_language_snapshot):
                 setattr(module, name, value)
 
 
+@pytest.fixture(autouse=True)
+def _no_grpc_on_the_default_port(monkeypatch):
+    """An app built in a test serves no gRPC unless the test asks for a port: never 8001, where
+    another test's server (or a developer's) may be listening."""
+    monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "0")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -1,6 +1,6 @@
 """Open Inference Protocol (KServe v2) REST routes, with the binary tensor data extension, so
-``tritonclient.http`` and KServe clients work unmodified. Each model has one input ("input",
-FP32 [-1, in_features]) and one output ("output", FP32 [-1, out_features]), version "1"."""
+``tritonclient.http`` and KServe clients work unmodified. The tensor rules (one input "input",
+one output "output", version "1") are ``service.tensors``, shared with the gRPC servicer."""
 
 from __future__ import annotations
 
@@ -10,43 +10,35 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from fusedserve.service.errors import BadInput, UnknownModel
+from fusedserve.service import tensors
+from fusedserve.service.errors import BadInput
 from fusedserve.service.inference import infer
 from fusedserve.service.inputs import check_rows, dump_json, parse_json, read_body
 from fusedserve.service.state import ModelInfo, ServiceState, get_state
+from fusedserve.service.tensors import OUTPUT, VERSION
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
-VERSION = "1"
-INPUT, OUTPUT = "input", "output"
 HEADER_LENGTH = "inference-header-content-length"
-DATATYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16,
-             "INT32": np.int32, "INT64": np.int64, "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8}
 
 State = Annotated[ServiceState, Depends(get_state)]
 
 
 def _model(state: ServiceState, name: str, version: str | None) -> ModelInfo:
     info = state.model(name)
-    if version is not None and version != VERSION:
-        raise UnknownModel(f"model {name!r} has only version {VERSION!r}, not {version!r}")
+    tensors.check_version(info, version)
     return info
 
 
 @router.get("", summary="Server metadata")
 async def server_metadata() -> dict:
-    return {"name": "fusedserve", "version": "0.1.0", "extensions": ["binary_tensor_data", "statistics"]}
+    return {"name": tensors.SERVER_NAME, "version": tensors.SERVER_VERSION, "extensions": list(tensors.EXTENSIONS)}
 
 
 @router.get("/models/{model}", summary="Model metadata")
 @router.get("/models/{model}/versions/{version}", include_in_schema=False)
 async def model_metadata(state: State, model: str, version: str | None = None) -> dict:
-    info = _model(state, model, version)
-    return {
-        "name": info.name, "versions": [VERSION], "platform": f"fusedserve_{info.backend}",
-        "inputs": [{"name": INPUT, "datatype": "FP32", "shape": [-1, info.in_features]}],
-        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, info.out_features]}],
-    }
+    return tensors.metadata(_model(state, model, version))
 
 
 @router.get("/models/{model}/ready", summary="Model readiness")
@@ -57,39 +49,28 @@ async def model_ready(state: State, model: str, version: str | None = None) -> J
     return JSONResponse({"name": info.name, "ready": ok}, status_code=200 if ok else 503)
 
 
-def _binary_input(spec: dict, blob: memoryview, offset: int, size: int, shape, dtype) -> np.ndarray:
-    if offset + size > len(blob):
-        raise BadInput(f"input {spec.get('name')!r} declares binary_data_size {size} but only "
-                       f"{len(blob) - offset} bytes follow the JSON header")
-    try:
-        return np.frombuffer(blob[offset:offset + size], dtype=dtype).reshape(shape)
-    except ValueError:
-        raise BadInput(f"input {spec.get('name')!r}: {size} bytes of {np.dtype(dtype).name} do not fill "
-                       f"shape {shape}") from None
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON header and the binary tensor data after it (empty without the extension)."""
+    if header_length is None:
+        return body, memoryview(b"")
+    if not header_length.isdigit() or int(header_length) > len(body):
+        raise BadInput(f"Inference-Header-Content-Length {header_length!r} must be the byte length "
+                       f"of the JSON header, at most the body length {len(body)}")
+    n = int(header_length)
+    return body[:n], memoryview(body)[n:]
 
 
 def _parse_infer(body: bytes, header_length: str | None, info: ModelInfo, max_rows: int) -> tuple[dict, np.ndarray]:
-    blob = memoryview(b"")
-    if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
-            raise BadInput(f"Inference-Header-Content-Length {header_length!r} must be the byte length "
-                           f"of the JSON header, at most the body length {len(body)}")
-        n = int(header_length)
-        blob = memoryview(body)[n:]
-        body = body[:n]
-    req = parse_json(body)
+    """The request's JSON header and its one input as checked float32 rows: the decoding, once."""
+    header, blob = _split_body(body, header_length)
+    req = parse_json(header)
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list) or len(req["inputs"]) != 1:
-        raise BadInput(f'body must be {{"inputs": [{{"name": "{INPUT}", "shape": [rows, {info.in_features}], '
-                       f'"datatype": "FP32", "data": [...]}}]}} with exactly one input')
+        raise BadInput(f'body must be {{"inputs": [{{"name": "{tensors.INPUT}", "shape": [rows, {info.in_features}], '
+                       f'"datatype": "FP32", "data": [...]}}]}}: {tensors.expected(info)}')
     spec = req["inputs"][0]
     if not isinstance(spec, dict):
         raise BadInput("inputs[0] must be an object with name, shape, datatype and data")
-    shape = spec.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise BadInput(f"inputs[0].shape must be [rows, {info.in_features}], got {shape!r}")
-    datatype = spec.get("datatype")
-    if datatype not in DATATYPES:
-        raise BadInput(f"inputs[0].datatype must be one of {sorted(DATATYPES)}, got {datatype!r}")
+    dtype, shape = tensors.check_input(spec.get("name"), spec.get("datatype"), spec.get("shape"), info, "inputs[0]")
     params = spec.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadInput("inputs[0].parameters must be an object")
@@ -97,19 +78,15 @@ def _parse_infer(body: bytes, header_length: str | None, info: ModelInfo, max_ro
     if size is not None:
         if not isinstance(size, int) or size < 0:
             raise BadInput(f"inputs[0].parameters.binary_data_size must be a byte count, got {size!r}")
-        x = _binary_input(spec, blob, 0, size, shape, DATATYPES[datatype])
+        if size > len(blob):
+            raise BadInput(f"inputs[0] declares binary_data_size {size} but only {len(blob)} bytes follow "
+                           "the JSON header")
+        x = tensors.from_bytes(blob[:size], dtype, shape, "inputs[0] binary data")
     else:
         data = spec.get("data")
         if not isinstance(data, list):
             raise BadInput("inputs[0] needs data (a flat or nested list of numbers) or binary_data_size")
-        if shape[0] == 0:
-            raise BadInput(f"inputs[0] is empty: send at least one row of {info.in_features} numbers")
-        flat = np.array(data)
-        if flat.dtype.kind not in "iuf":
-            raise BadInput("inputs[0].data must hold only numbers, nested evenly")
-        if flat.size != shape[0] * shape[1]:
-            raise BadInput(f"inputs[0].data has {flat.size} numbers but shape {shape} needs {shape[0] * shape[1]}")
-        x = flat.reshape(shape)
+        x = tensors.from_values(np.array(data), shape, "inputs[0].data")
     return req, check_rows(x, "inputs[0]", info.in_features, max_rows)
 
 
@@ -132,7 +109,7 @@ async def model_infer(request: Request, state: State, model: str, version: str |
     binary = _wants_binary(req)
     out = await infer(state, request, info.name, x)
     result = {"model_name": info.name, "model_version": VERSION,
-              "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": list(out.shape)}]}
+              "outputs": [{"name": OUTPUT, "datatype": tensors.OUTPUT_DATATYPE, "shape": list(out.shape)}]}
     if "id" in req:
         result["id"] = req["id"]
     if not binary:

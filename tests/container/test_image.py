@@ -68,9 +68,11 @@ def free_port() -> int:
 
 @contextmanager
 def running(*options: str):
-    """A container of IMAGE on the host's network, on a free loopback port; removed afterwards."""
+    """A container of IMAGE on the host's network, on free loopback ports (HTTP, and gRPC rather than
+    8001, which another server may hold); removed afterwards."""
     box = Container(f"fusedserve-test-{uuid.uuid4().hex[:8]}", free_port())
-    env = ["-e", "FUSEDSERVE_HOST=127.0.0.1", "-e", f"FUSEDSERVE_PORT={box.port}"]
+    env = ["-e", "FUSEDSERVE_HOST=127.0.0.1", "-e", f"FUSEDSERVE_PORT={box.port}",
+           "-e", f"FUSEDSERVE_GRPC_PORT={free_port()}"]
     podman("run", "--detach", "--name", box.name, "--network", "host", *env, *options, IMAGE)
     try:
         yield box

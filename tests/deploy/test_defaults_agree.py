@@ -66,6 +66,7 @@ def test_deployment_ports_and_probes_follow_the_settings(settings_in):
     # The kubelet probes the pod's IP: the server must listen on every interface.
     assert settings.host in ("0.0.0.0", "::"), settings.host
     assert port_number(box, "http") == settings.port
+    assert port_number(box, "grpc") == settings.grpc_port
     check_probes(box, settings)
 
 
@@ -94,10 +95,12 @@ def test_pod_runs_as_the_images_user():
 def test_service_and_servicemonitor_reach_the_metrics_route():
     box = container(one(load(BASE / "deployment.yaml"), "Deployment"))
     service = one(load(BASE / "service.yaml"), "Service")
-    (port,) = service["spec"]["ports"]
-    assert port_number(box, port["targetPort"]) == port_number(box, "http")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert set(ports) == {"http", "grpc"}, ports
+    for name, port in ports.items():  # each Service port reaches the container port of its name
+        assert port_number(box, port["targetPort"]) == port_number(box, name)
     (endpoint,) = one(load(BASE / "servicemonitor.yaml"), "ServiceMonitor")["spec"]["endpoints"]
-    assert endpoint["port"] == port["name"] and endpoint["path"] in app_routes()
+    assert endpoint["port"] == "http" and endpoint["path"] in app_routes()
 
 
 def test_hpa_scales_on_an_exported_metric_published_by_the_adapter(settings_in):

@@ -7,8 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -36,6 +38,25 @@ def _keep_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def held_warmup(monkeypatch):
+    """Every model's warm-up waits for ``release`` (``started`` says one began); then the model
+    named ``fail``, if any, fails its warm-up."""
+    hold = SimpleNamespace(started=threading.Event(), release=threading.Event(), fail=None)
+    real_warmup = models.ModelRunner.warmup
+
+    def warmup(self):
+        hold.started.set()
+        hold.release.wait(timeout=10)
+        if self.name == hold.fail:
+            raise RuntimeError("autotune exploded")
+        return real_warmup(self)
+
+    monkeypatch.setattr(models.ModelRunner, "warmup", warmup)
+    yield hold
+    hold.release.set()
 
 
 @pytest.fixture
@@ -82,22 +103,34 @@ async def client(settings):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now (all held at once while choosing, so none repeats)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class Server:
-    """``python -m fusedserve serve`` on a free loopback port; ``repository`` None serves the shipped one."""
+    """``python -m fusedserve serve`` on free loopback ports (HTTP and gRPC; a ``--grpc-port`` among
+    ``flags`` wins); ``repository`` None serves the shipped one."""
 
     def __init__(self, repository: Path | None, log: Path, *flags: str, device: str = "cpu"):
-        self.port = free_port()
+        self.port, self.grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fusedserve", "serve", "--port", str(self.port), "--device", device, *flags,
+                [sys.executable, "-m", "fusedserve", "serve", "--port", str(self.port), "--grpc-port",
+                 str(self.grpc_port), "--device", device, *flags,
                  *(["--model-repository", str(repository)] if repository is not None else [])],
                 cwd=ROOT, env=env, stdout=out, stderr=out)
 

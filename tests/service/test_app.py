@@ -250,28 +250,18 @@ async def test_limits_body_rows_queue_and_deadline(repository):
         assert (await busy).status_code == 200 and (await queued).status_code == 200
 
 
-async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, monkeypatch):
-    started, release = threading.Event(), threading.Event()
-    real_warmup = models.ModelRunner.warmup
-
-    def slow_warmup(self):
-        started.set()
-        release.wait(timeout=10)
-        if self.name == "wide":
-            raise RuntimeError("autotune exploded")
-        return real_warmup(self)
-
-    monkeypatch.setattr(models.ModelRunner, "warmup", slow_warmup)
+async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, held_warmup):
+    held_warmup.fail = "wide"
     app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=False))
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-        while not started.is_set():
+        while not held_warmup.started.is_set():
             await asyncio.sleep(0.005)
         assert (await c.get("/v2/health/live")).status_code == 200
         r = await c.get("/v2/health/ready")
         assert r.status_code == 503 and r.json()["error"] == "warming up", r.text
         r = await c.post("/infer", json={"model": "tiny", "inputs": ROWS})
         assert r.status_code == 503 and "warming up" in r.json()["error"], r.text
-        release.set()
+        held_warmup.release.set()
         while app.state.service.startup_error is None:
             await asyncio.sleep(0.005)
         r = await c.get("/v2/health/ready")

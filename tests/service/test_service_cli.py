@@ -22,6 +22,14 @@ def test_flags_override_environment(monkeypatch, tmp_path):
     assert settings.model_repository == tmp_path and settings.host == "127.0.0.1"
 
 
+def test_grpc_port_flag_and_environment(monkeypatch):
+    monkeypatch.setenv("FUSEDSERVE_GRPC_PORT", "9002")
+    assert settings_from_args(parser().parse_args(["serve"])).grpc_port == 9002
+    assert settings_from_args(parser().parse_args(["serve", "--grpc-port", "0"])).grpc_port == 0, "0 turns it off"
+    monkeypatch.delenv("FUSEDSERVE_GRPC_PORT")
+    assert Settings().grpc_port == 8001, "Triton's default port"
+
+
 def test_defaults_serve_the_shipped_repository_on_loopback(monkeypatch):
     from fusedserve import models
 
@@ -56,7 +64,7 @@ def test_python_dash_m_service_help_lists_every_flag():
                          text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     for flag in ("--host", "--port", "--model-repository", "--device", "--max-batch-size", "--max-delay-ms",
-                 "--max-queue-rows", "--request-timeout-ms", "FUSEDSERVE_PORT"):
+                 "--max-queue-rows", "--request-timeout-ms", "FUSEDSERVE_PORT", "--grpc-port", "FUSEDSERVE_GRPC_PORT"):
         assert flag in out.stdout, f"{flag} missing from help:\n{out.stdout}"
 
 

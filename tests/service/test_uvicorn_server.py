@@ -84,7 +84,30 @@ def test_unmodified_tritonclient(server, repo, binary):
     assert stats["model_stats"][0]["inference_count"] >= len(ROWS), stats
 
 
+def test_unmodified_tritonclient_grpc(server, repo):
+    triton_grpc = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("tiny")
+    assert client.get_server_metadata().name == "fusedserve"
+    meta = client.get_model_metadata("tiny")
+    assert list(meta.inputs[0].shape) == [-1, IN] and list(meta.outputs[0].shape) == [-1, OUT], meta
+    x = triton_grpc.InferInput("input", list(ROWS.shape), "FP32")
+    x.set_data_from_numpy(ROWS)
+    got = client.infer("tiny", [x], outputs=[triton_grpc.InferRequestedOutput("output")]).as_numpy("output")
+    np.testing.assert_allclose(got, reference(repo, "tiny", ROWS), rtol=RTOL, atol=ATOL,
+                               err_msg="tritonclient.grpc output differs")
+    with pytest.raises(InferenceServerException, match="loaded models") as caught:
+        client.infer("nope", [x])
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+    client.close()
+
+
 def test_sigterm_drain_answers_requests_on_open_connections(repo, tmp_path):
+    triton_grpc = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
     s = Server(repo, tmp_path / "server.log", "--drain-grace-s", "1.5")
     try:
         s.wait_ready()
@@ -95,8 +118,14 @@ def test_sigterm_drain_answers_requests_on_open_connections(repo, tmp_path):
             c.request("POST", "/infer", body, headers)
             assert c.getresponse().read()
         socks = [c.sock for c in conns]
+        grpc_client = triton_grpc.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+        assert grpc_client.is_server_ready()
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
+        # gRPC refuses new calls at once (its clients retry elsewhere on UNAVAILABLE).
+        with pytest.raises(InferenceServerException) as caught:
+            grpc_client.is_server_live(client_timeout=5)
+        assert caught.value.status() == "StatusCode.UNAVAILABLE", caught.value
         for c, sock in zip(conns, socks):
             assert c.sock is sock, "the client reconnected: this test must reuse the idle connection"
             c.request("POST", "/infer", body, headers)

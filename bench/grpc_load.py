@@ -1,0 +1,298 @@
+"""gRPC against HTTP at the same load: the shipped digits, 1 row per request, N concurrent clients.
+
+One server (``python -m fusedserve serve``, loopback ports) serves every protocol, so each sees the
+same process, model and batcher. Loads, run in a rotated order per repetition (A B C, then B C A...)
+so drifting machine noise hits all alike:
+
+- ``grpc``: KServe v2 ModelInfer with ``raw_input_contents``, as ``tritonclient.grpc`` sends it, from a
+  lean ``grpc.aio`` client: one channel (HTTP/2 connection) per client, the request serialized once,
+  answers taken as bytes (no protobuf work per call) and decoded once per run to check them.
+  ``grpc_shared``: the same calls multiplexed on one channel, as one shared client object makes them.
+- ``http_v2``: ``POST /v2/models/digits/infer`` with the binary tensor extension (what
+  ``tritonclient.http`` sends), and ``http_infer``: ``POST /infer`` JSON; both from bench/load.py's
+  raw-socket keep-alive generator, one connection per client.
+- ``grpc_floor``: the same gRPC client against a bare ``grpc.aio`` server on the same stubs that
+  answers a canned response (no model, no service): what grpc.aio itself costs per call here.
+
+Each run is bounded by ``--duration`` and each call by a timeout; loopback only. Per run: req/s,
+p50/p99, errors, the server's CPU time per request (all its threads, from /proc), the client's, and
+the mean batch rows (/kernel-stats). Writes ``bench/results/grpc_load_<host>.json``.
+
+    python bench/grpc_load.py              # ~2 min on the 2-core dev machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench.load and the service import from the checkout
+from bench.load import IO_TIMEOUT_S, ServerProcess, drive, free_port, http_json  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+MAX_CLIENTS = 256  # a bound on the load this script may generate
+
+
+def rows(n: int = 64) -> np.ndarray:
+    """``n`` digits-like rows (raw 0..16 pixel values), 64 wide, float32."""
+    return np.random.default_rng(0).uniform(0.0, 16.0, size=(n, 64)).round(3).astype(np.float32)
+
+
+def grpc_requests(x: np.ndarray) -> list[bytes]:
+    from tritonclient.grpc import service_pb2 as pb
+
+    tensor = pb.ModelInferRequest.InferInputTensor(name="input", datatype="FP32", shape=[1, x.shape[1]])
+    return [pb.ModelInferRequest(model_name="digits", inputs=[tensor], raw_input_contents=[row[None].tobytes()])
+            .SerializeToString() for row in x]
+
+
+def http_requests(port: int, x: np.ndarray, kind: str) -> list[bytes]:
+    """Whole HTTP/1.1 requests, one row each: ``/infer`` JSON or v2 with the binary extension."""
+    out = []
+    for row in x:
+        if kind == "http_infer":
+            path, extra = "/infer", ""
+            body = json.dumps({"model": "digits", "inputs": [row.tolist()]}).encode()
+        else:
+            raw = row.tobytes()
+            header = json.dumps({"inputs": [{"name": "input", "shape": [1, len(row)], "datatype": "FP32",
+                                             "parameters": {"binary_data_size": len(raw)}}],
+                                 "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+            path, body = "/v2/models/digits/infer", header + raw
+            extra = f"Inference-Header-Content-Length: {len(header)}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/octet-stream\r\n"
+                f"{extra}Content-Length: {len(body)}\r\n\r\n")
+        out.append(head.encode() + body)
+    return out
+
+
+async def _grpc_client(call, requests: list[bytes], deadline: float, latencies: list, errors: list) -> None:
+    import grpc
+
+    i = 0
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        try:
+            await call(requests[i % len(requests)], timeout=IO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            errors.append(exc.code().name)
+        else:
+            latencies.append(time.perf_counter() - t0)
+        i += 1
+
+
+async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s: float, channels: int) -> dict:
+    """Like bench/load.py's ``drive``, over gRPC: ``clients`` callers on ``channels`` channels, bytes in and out."""
+    import grpc
+
+    from tritonclient.grpc import service_pb2 as pb
+
+    # A local subchannel pool: each channel its own connection, not one shared under the hood.
+    opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(channels)]
+    try:
+        calls = [opened[i % channels].unary_unary(METHOD) for i in range(clients)]  # no serializers: bytes
+        answers = [await call(requests[0], timeout=IO_TIMEOUT_S) for call in calls]  # connects every channel
+        answer = pb.ModelInferResponse.FromString(answers[0])
+        if len(answer.raw_output_contents) != 1 or list(answer.outputs[0].shape) != [1, 10]:
+            raise RuntimeError(f"unexpected answer: {answer}")
+        latencies, errors = [], []
+        t0 = time.monotonic()
+        await asyncio.gather(*(_grpc_client(call, requests, t0 + duration_s, latencies, errors) for call in calls))
+        elapsed = time.monotonic() - t0
+    finally:
+        await asyncio.gather(*(c.close() for c in opened))
+    lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
+    return {"requests": len(latencies), "errors": len(errors), "seconds": elapsed,
+            "rps": len(latencies) / elapsed, "p50_ms": float(np.percentile(lat, 50)),
+            "p99_ms": float(np.percentile(lat, 99)), "mean_ms": float(lat.mean())}
+
+
+def canned_server(port: int) -> None:
+    """The floor: grpc.aio on the same stubs and event loop kind, answering one canned response."""
+    import grpc
+    import uvloop
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc
+
+    answer = pb.ModelInferResponse(model_name="digits", model_version="1", outputs=[
+        pb.ModelInferResponse.InferOutputTensor(name="output", datatype="FP32", shape=[1, 10])],
+        raw_output_contents=[bytes(40)])
+
+    class Canned(service_pb2_grpc.GRPCInferenceServiceServicer):
+        async def ModelInfer(self, request, context):
+            return answer
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Canned(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+        await stop.wait()
+        await server.stop(0)
+
+    uvloop.run(serve())
+
+
+class CannedProcess(ServerProcess):
+    """``canned_server`` in a subprocess; ServerProcess's CPU reading and stop apply as they are."""
+
+    def __init__(self, log_dir: Path):  # not ServerProcess's: no fusedserve, no HTTP
+        self.label, self.port = "grpc_floor", free_port()
+        self.log = log_dir / "server_grpc_floor.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--canned-server", str(self.port)],
+                                         cwd=ROOT, stdout=out, stderr=out)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"canned server exited:\n{self.log.read_text()}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"canned server not listening after {timeout_s} s")
+
+
+def one_run(mode: str, server: ServerProcess, grpc_port: int, loads: dict, clients: int, duration: float) -> dict:
+    """One bounded run of ``mode`` against ``server``, with both sides' CPU time per request."""
+    if mode != "grpc_floor":
+        http_json(server.url + "/kernel-stats/reset", "POST")
+    cpu0, client0 = server.cpu_seconds(), os.times()
+    if mode.startswith("grpc"):
+        channels = 1 if mode == "grpc_shared" else clients
+        r = asyncio.run(drive_grpc(grpc_port, loads["grpc"], clients, duration, channels))
+    else:
+        r = asyncio.run(drive(server.port, loads[mode], clients, duration))
+    cpu1, client1 = server.cpu_seconds(), os.times()
+    done = max(r["requests"], 1)
+    r.update(mode=mode, clients=clients,
+             server_cpu_ms_per_request=(cpu1 - cpu0) * 1e3 / done if cpu0 is not None else None,
+             client_cpu_ms_per_request=(client1.user + client1.system - client0.user - client0.system) * 1e3 / done)
+    if mode != "grpc_floor":
+        m = http_json(server.url + "/kernel-stats")["models"]["digits"]
+        r["mean_batch_rows"] = m["rows"] / m["batches"] if m["batches"] else 0.0
+    return r
+
+
+def summarize(results: list[dict], target: float) -> list[dict]:
+    """Medians over repetitions per (clients, mode), and gRPC's ratios to each HTTP load."""
+
+    def med(clients: int, mode: str, key: str) -> float | None:
+        values = [r[key] for r in results if (r["clients"], r["mode"]) == (clients, mode) and r.get(key) is not None]
+        return float(np.median(values)) if values else None
+
+    rows = []
+    for clients in sorted({r["clients"] for r in results}):
+        row = {"clients": clients}
+        for mode in sorted({r["mode"] for r in results}):
+            row[mode] = {k: med(clients, mode, k) for k in ("rps", "p50_ms", "p99_ms", "server_cpu_ms_per_request",
+                                                             "client_cpu_ms_per_request", "mean_batch_rows")}
+            row[mode]["errors"] = sum(r["errors"] for r in results if (r["clients"], r["mode"]) == (clients, mode))
+        for grpc_mode in ("grpc", "grpc_shared"):
+            for http in ("http_v2", "http_infer"):
+                if grpc_mode in row and http in row:
+                    g, h = row[grpc_mode], row[http]
+                    ratio = g["rps"] / h["rps"]
+                    row[f"{grpc_mode}_over_{http}"] = {
+                        "rps": round(ratio, 3), "met": ratio >= target,
+                        "server_cpu_per_request": round(g["server_cpu_ms_per_request"] / h["server_cpu_ms_per_request"], 3)}
+        rows.append(row)
+    return rows
+
+
+def _machine() -> dict:
+    import grpc
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"host": socket.gethostname(), "cpus": os.cpu_count(), "cpu": model, "python": platform.python_version(),
+            "grpcio": grpc.__version__, "torch": torch.__version__}
+
+
+def run(args, work: Path) -> dict:
+    modes = ["grpc", "grpc_shared", "http_v2", "http_infer"] + ([] if args.no_floor else ["grpc_floor"])
+    grpc_port = free_port()
+    server = ServerProcess("fusedserve", ["--device", "cpu", "--grpc-port", str(grpc_port),
+                                          "--max-batch-size", "64", "--max-delay-ms", "2"], work)
+    canned = None if args.no_floor else CannedProcess(work)
+    # mode -> (the process it loads, the gRPC port its client calls)
+    targets = {mode: (server, grpc_port) for mode in modes}
+    results = []
+    try:
+        server.wait_ready(args.ready_timeout)
+        if canned is not None:
+            canned.wait_ready(30)
+            targets["grpc_floor"] = (canned, canned.port)
+        x = rows()
+        loads = {"grpc": grpc_requests(x), "http_v2": http_requests(server.port, x, "http_v2"),
+                 "http_infer": http_requests(server.port, x, "http_infer")}
+        for mode in modes:  # untimed: first traffic (connections, page faults) skews no run
+            one_run(mode, *targets[mode], loads, max(args.clients), 0.5)
+        for clients in args.clients:
+            for rep in range(args.reps):
+                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+                    r = one_run(mode, *targets[mode], loads, clients, args.duration)
+                    results.append({**r, "rep": rep})
+                    print(f"{mode:10s} clients={clients:3d} rep={rep} {r['rps']:7.0f} req/s p50 {r['p50_ms']:6.2f} ms "
+                          f"p99 {r['p99_ms']:6.2f} ms server {r['server_cpu_ms_per_request'] or 0:.3f} ms/req "
+                          f"errors {r['errors']}", flush=True)
+    finally:
+        server.stop()
+        if canned is not None:
+            canned.stop()
+    return {"results": results, "summary": summarize(results, args.target)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 64], help="client counts (default 1 64)")
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per run (default 3)")
+    parser.add_argument("--reps", type=int, default=4, help="repetitions per client count and load (default 4)")
+    parser.add_argument("--target", type=float, default=1.2, help="gRPC req/s over HTTP's asked for (issue 22)")
+    parser.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio server")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for warm-up")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/grpc_load_<host>.json)")
+    parser.add_argument("--canned-server", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.canned_server is not None:
+        canned_server(args.canned_server)
+        return
+    if not 1 <= max(args.clients) <= MAX_CLIENTS or min(args.clients) < 1:
+        parser.error(f"client counts must be 1..{MAX_CLIENTS}")
+    out = args.out or RESULTS / f"grpc_load_{socket.gethostname()}.json"
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fusedserve_grpc_load_") as work:
+        report = run(args, Path(work))
+    report = {"date": datetime.date.today().isoformat(), "machine": _machine(), "model": "digits (shipped)",
+              "rows_per_request": 1, "duration_s": args.duration, "reps": args.reps, "target": args.target,
+              "wall_s": round(time.monotonic() - started, 1), **report}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for row in report["summary"]:
+        print(json.dumps({k: v for k, v in row.items() if "_over_" in k or k == "clients"}))
+    print(f"wrote {out} in {report['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

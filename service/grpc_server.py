@@ -1,0 +1,152 @@
+"""KServe v2 gRPC (``inference.GRPCInferenceService``, the stubs ``tritonclient[grpc]`` ships) on a
+``grpc.aio`` server in the HTTP app's event loop. The servicer sees only an ``Engine``; a client's
+mistake is answered with the status code its ``ServiceError`` names (INVALID_ARGUMENT, NOT_FOUND,
+UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. Methods not listed here
+(streaming, model config, repository and shared-memory control) answer UNIMPLEMENTED."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from fusedserve.service import grpc_codec, tensors
+from fusedserve.service.engine import Engine
+from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady, ServiceError, UnknownModel
+from fusedserve.service.settings import Settings
+from fusedserve.service.state import ModelInfo
+
+log = logging.getLogger("fusedserve")
+
+CODES = {code.name: code for code in grpc.StatusCode}
+
+
+async def _abort(context, engine: Engine, model: str, exc: Exception):
+    """Answer ``exc`` as a status: a ServiceError with its own code, anything else INTERNAL (logged)."""
+    if not isinstance(exc, ServiceError):
+        log.error("gRPC call failed", exc_info=exc)
+        exc = ServiceError(f"internal error: {type(exc).__name__}: {exc}")
+    engine.record_error(model, exc.outcome)
+    await context.abort(CODES[exc.grpc_code], exc.message)
+
+
+def _answers_errors(method):
+    """Turn a ServiceError raised by a (non-inference) method into its status code and message."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - answered as a status, never a dropped call
+            await _abort(context, self._engine, "", exc)
+
+    return wrapper
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, engine: Engine, max_rows: int, timeout_s: float):
+        self._engine = engine
+        self._max_rows = max_rows
+        self._timeout_s = timeout_s
+        self._server_metadata = grpc_codec.server_metadata()
+
+    def _known(self, name: str, version: str) -> ModelInfo:
+        """A loaded model, warm or not (metadata and readiness need no warm model)."""
+        models = self._engine.models()
+        info = models.get(name)
+        if info is None:
+            if not models:
+                raise NotReady("the server is starting: no model is loaded yet")
+            raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(models)}")
+        tensors.check_version(info, version)
+        return info
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=self._engine.live())
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self._engine.ready())
+
+    async def ServerMetadata(self, request, context):
+        return self._server_metadata
+
+    @_answers_errors
+    async def ModelReady(self, request, context):
+        self._known(request.name, request.version)
+        return pb.ModelReadyResponse(ready=self._engine.ready())
+
+    @_answers_errors
+    async def ModelMetadata(self, request, context):
+        return grpc_codec.model_metadata(self._known(request.name, request.version))
+
+    async def ModelInfer(self, request, context):
+        engine, model = self._engine, ""  # the metrics label: a loaded model's name, never the client's
+        try:
+            info = engine.model(request.model_name)
+            model = info.name
+            tensors.check_version(info, request.model_version)
+            x, raw = grpc_codec.decode(request, info, self._max_rows)
+            out = await engine.infer(model, x, self._timeout(request, context))
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed, while queued
+            left = context.time_remaining()
+            engine.record_error(model, (DeadlineExceeded if left is not None and left <= 0 else ClientGone).outcome)
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered as a status, never a dropped call
+            await _abort(context, engine, model, exc)
+        return grpc_codec.encode(request, info, out, raw)
+
+    def _timeout(self, request, context) -> float:
+        """The server's deadline, shortened by the call's gRPC deadline and Triton's timeout parameter."""
+        limit = grpc_codec.timeout_s(request, self._timeout_s)
+        left = context.time_remaining()
+        if left is not None and left < limit:
+            if left <= 0:
+                raise DeadlineExceeded("the call's deadline passed before it was queued: give it more time")
+            limit = left
+        return limit
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class GrpcServer:
+    """The gRPC front door: ``start`` once models are loaded, ``drain`` on SIGTERM (refuse new calls
+    at once, let calls in flight finish within the grace period), ``stop`` at shutdown."""
+
+    def __init__(self, engine: Engine, settings: Settings):
+        self.address = _address(settings.host, settings.grpc_port)
+        self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000)
+        self._max_message = settings.max_body_bytes
+        self._server: grpc.aio.Server | None = None
+        self._stopping: asyncio.Future | None = None
+
+    async def start(self) -> None:
+        # so_reuseport off: gRPC sets SO_REUSEPORT by default, so a second server on a busy port would
+        # silently share its calls; off, the port must be free. Requests are capped like HTTP bodies.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                          ("grpc.max_receive_message_length", self._max_message),
+                                          ("grpc.max_send_message_length", -1)])
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, server)
+        try:
+            server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot listen for gRPC on {self.address} ({exc}): is the port taken? "
+                               "Choose another with --grpc-port, or turn gRPC off with --grpc-port 0") from None
+        await server.start()
+        self._server = server
+        log.info("gRPC (KServe v2) on %s", self.address)
+
+    def drain(self, grace_s: float) -> None:
+        """Stop taking calls now; calls in flight get ``grace_s`` to finish, then are cancelled."""
+        if self._server is not None and self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._server.stop(grace_s))
+
+    async def stop(self, grace_s: float) -> None:
+        self.drain(grace_s)
+        if self._stopping is not None:
+            await self._stopping
