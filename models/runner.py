@@ -135,7 +135,8 @@ class ModelRunner:
         if bucket not in self._chosen:
             self._warm_bucket(bucket)
         self._staging.copy_in(x, rows)
-        timed = self.timing_sink is not None and self._sampler.due(bucket, bucket in self._graphs.plain)
+        each_batch = self.device.type == "cuda" and bucket not in self._graphs.plain
+        timed = self.timing_sink is not None and self._sampler.due(bucket, each_batch)
         marks = None
         if timed and bucket in self._graphs.timed:
             graph, out, marks = self._graphs.timed[bucket]

@@ -14,9 +14,10 @@ from fusedserve.models.timing import LayerTiming, PendingEvents
 
 
 class TimingSampler:
-    """Which batches of a bucket are timed. Every eager batch (events cost next to nothing there);
-    of a bucket with a CUDA graph, its first batch, then every ``every``-th that comes at least
-    ``min_interval_s`` seconds after the last timed one."""
+    """Which batches of a bucket are timed. Every eager CUDA batch (events cost next to nothing
+    there); otherwise (a bucket with a CUDA graph, or the CPU, where a timed batch's records cost
+    more than a small model's compute) its first batch, then every ``every``-th that comes at
+    least ``min_interval_s`` seconds after the last timed one."""
 
     def __init__(self, every: int, min_interval_s: float):
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -29,10 +30,11 @@ class TimingSampler:
         self._untimed_left: dict[int, int] = {}  # bucket -> batches to run before the clock is read
         self._last_timed: dict[int, float] = {}  # bucket -> monotonic time of its last timed batch
 
-    def due(self, bucket: int, graphed: bool) -> bool:
-        """Whether this batch of ``bucket`` is timed. Most graphed batches cost one dict lookup: the
-        clock is read every ``every`` batches only (a replay takes microseconds; this is on its budget)."""
-        if not graphed:
+    def due(self, bucket: int, each_batch: bool) -> bool:
+        """Whether this batch of ``bucket`` is timed (``each_batch``: yes). Most sampled batches cost
+        one dict lookup: the clock is read every ``every`` batches only (a replay takes
+        microseconds; this is on its budget)."""
+        if each_batch:
             return True
         left = self._untimed_left.get(bucket, 0)
         if left:

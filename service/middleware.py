@@ -1,6 +1,5 @@
-"""Pure ASGI middleware (no per-request task, unlike BaseHTTPMiddleware): X-Request-ID echoed or
-generated and written to the access log with the status and duration, and ``Connection: close`` on
-every answer while draining so clients reconnect elsewhere."""
+"""Request ids, the access log and ``Connection: close`` while draining: a pure ASGI middleware
+(no per-request task) for the framework's routes, and the same pieces for the rows' hot path."""
 
 from __future__ import annotations
 
@@ -12,26 +11,49 @@ import time
 access_log = logging.getLogger("fusedserve.access")
 
 
-class RequestIdMiddleware:
-    def __init__(self, app, is_draining):
-        self.app = app
-        self.is_draining = is_draining
-        # A random per-process prefix and a counter: unique like a uuid4, without a getrandom()
-        # system call per request.
+class RequestIds:
+    """``X-Request-ID`` echoed (bounded: a header must not grow our responses unboundedly) or made
+    from a random per-process prefix and a counter: unique like a uuid4, without a getrandom()
+    system call per request."""
+
+    def __init__(self):
         self._prefix = os.urandom(8).hex()
         self._count = itertools.count()
+
+    def take(self, scope) -> bytes:
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                return value[:200]
+        return f"{self._prefix}{next(self._count):016x}".encode()
+
+
+def answer_headers(request_id: bytes, draining: bool) -> list[tuple[bytes, bytes]]:
+    """The headers every answer carries: its request id, and ``Connection: close`` while draining
+    so clients reconnect elsewhere."""
+    return [(b"x-request-id", request_id), (b"connection", b"close")] if draining else [(b"x-request-id", request_id)]
+
+
+def log_access(scope, status: int, start: float, request_id: bytes) -> None:
+    """One access-log line (with fields for the JSON log format), if INFO is on."""
+    if access_log.isEnabledFor(logging.INFO):
+        rid = request_id.decode(errors="replace")
+        ms = (time.perf_counter() - start) * 1e3
+        access_log.info("%s %s %d %.2f ms request_id=%s", scope["method"], scope["path"], status, ms, rid,
+                        extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
+                               "status": status, "duration_ms": round(ms, 3)})
+
+
+class RequestIdMiddleware:
+    def __init__(self, app, is_draining, ids: RequestIds):
+        self.app = app
+        self.is_draining = is_draining
+        self.ids = ids
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = None
-        for name, value in scope["headers"]:
-            if name == b"x-request-id":
-                request_id = value[:200]  # echo, bounded: a header must not grow our responses unboundedly
-                break
-        if request_id is None:
-            request_id = f"{self._prefix}{next(self._count):016x}".encode()
+        request_id = self.ids.take(scope)
         start = time.perf_counter()
         status = 0
 
@@ -40,18 +62,11 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
-                headers.append((b"x-request-id", request_id))
-                if self.is_draining():
-                    headers.append((b"connection", b"close"))
+                headers += answer_headers(request_id, self.is_draining())
                 message = {**message, "headers": headers}
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            if access_log.isEnabledFor(logging.INFO):
-                rid = request_id.decode(errors="replace")
-                ms = (time.perf_counter() - start) * 1e3
-                access_log.info("%s %s %d %.2f ms request_id=%s", scope["method"], scope["path"], status, ms, rid,
-                                extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
-                                       "status": status, "duration_ms": round(ms, 3)})
+            log_access(scope, status, start, request_id)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fusedserve.service.errors import BadInput
 from fusedserve.service.inference import infer
 from fusedserve.service.inputs import dump_json, parse_json, read_body, rows_from_json
-from fusedserve.service.state import ServiceState, get_state
+from fusedserve.service.state import ModelInfo, ServiceState, get_state
 
 router = APIRouter(tags=["inference"])
 
@@ -24,7 +24,14 @@ _EXAMPLE = {"model": "mymodel", "inputs": [[0.5, 3.0, -1.25], [1.0, 0.0, 2.0]]}
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"example": _EXAMPLE}}}},
 )
 async def infer_route(request: Request, state: Annotated[ServiceState, Depends(get_state)]) -> Response:
-    body = parse_json(await read_body(request, state.settings.max_body_bytes))
+    info, x = decode(state, await read_body(request, state.settings.max_body_bytes))
+    request.state.model = info.name
+    return Response(encode(info, await infer(state, request, info.name, x)), media_type="application/json")
+
+
+def decode(state: ServiceState, raw: bytes) -> tuple[ModelInfo, np.ndarray]:
+    """The model and float32 rows a ``/infer`` body asks for, or BadInput/UnknownModel/NotReady."""
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise BadInput('body must be a JSON object like {"model": "digits", "inputs": [[...], ...]}')
     name = body.get("model")
@@ -33,8 +40,8 @@ async def infer_route(request: Request, state: Annotated[ServiceState, Depends(g
     if "inputs" not in body:
         raise BadInput('body has no "inputs": send {"inputs": [[...], ...]}, one list of numbers per row')
     info = state.model(name)
-    request.state.model = info.name
-    x = rows_from_json(body["inputs"], "inputs", info.in_features, state.settings.rows_per_request)
-    out = await infer(state, request, info.name, x)
-    return Response(dump_json({"model": info.name, "outputs": np.ascontiguousarray(out)}),
-                    media_type="application/json")
+    return info, rows_from_json(body["inputs"], "inputs", info.in_features, state.settings.rows_per_request)
+
+
+def encode(info: ModelInfo, out: np.ndarray) -> bytes:
+    return dump_json({"model": info.name, "outputs": np.ascontiguousarray(out)})

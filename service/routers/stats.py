@@ -13,9 +13,10 @@ router = APIRouter(prefix="/kernel-stats", tags=["stats"])
 
 def _timing_policy(runner) -> dict:
     """How the runner times layers, so a reader knows whether ``calls`` counts every batch."""
-    if not runner.cuda_graphs:
+    if runner.device.type == "cuda" and not runner.cuda_graphs:
         return {"sampled": False, "every_batch": True, "method": runner.timing_method}
-    # Graph replays hide single kernels: only some batches are timed layer by layer.
+    # Graph replays hide single kernels, and on the CPU a timed batch's records cost more than a
+    # small model's compute: only some batches are timed layer by layer.
     return {"sampled": True, "every_batch": False, "method": runner.timing_method,
             "sample_every": runner.timing_sample_every,
             "min_interval_s": runner.timing_min_interval_s,

@@ -105,21 +105,32 @@ async def model_infer(request: Request, state: State, model: str, version: str |
     info = _model(state, model, version)
     request.state.model = info.name
     body = await read_body(request, state.settings.max_body_bytes)
-    req, x = _parse_infer(body, request.headers.get(HEADER_LENGTH), info, state.settings.rows_per_request)
-    binary = _wants_binary(req)
-    out = await infer(state, request, info.name, x)
+    req, x, binary = decode(state, info, body, request.headers.get(HEADER_LENGTH))
+    content, media_type, headers = encode(info, req, binary, await infer(state, request, info.name, x))
+    return Response(content, media_type=media_type, headers=headers)
+
+
+def decode(state: ServiceState, info: ModelInfo, body: bytes, header_length: str | None
+           ) -> tuple[dict, np.ndarray, bool]:
+    """The request's JSON header, its float32 rows for ``info``'s model and whether it asks for
+    binary outputs; BadInput for anything wrong, before anything is computed."""
+    req, x = _parse_infer(body, header_length, info, state.settings.rows_per_request)
+    return req, x, _wants_binary(req)
+
+
+def encode(info: ModelInfo, req: dict, binary: bool, out: np.ndarray) -> tuple[bytes, str, dict]:
+    """(body, media type, extra headers) of the answer: JSON tensors, or the binary extension."""
     result = {"model_name": info.name, "model_version": VERSION,
               "outputs": [{"name": OUTPUT, "datatype": tensors.OUTPUT_DATATYPE, "shape": list(out.shape)}]}
     if "id" in req:
         result["id"] = req["id"]
     if not binary:
         result["outputs"][0]["data"] = np.ascontiguousarray(out).ravel()
-        return Response(dump_json(result), media_type="application/json")
+        return dump_json(result), "application/json", {}
     raw = np.ascontiguousarray(out, dtype=np.float32).tobytes()
     result["outputs"][0]["parameters"] = {"binary_data_size": len(raw)}
     header = dump_json(result)
-    return Response(header + raw, media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(len(header))})
+    return header + raw, "application/octet-stream", {"Inference-Header-Content-Length": str(len(header))}
 
 
 @router.get("/models/{model}/stats", summary="Inference statistics (Triton's format)")

@@ -105,6 +105,8 @@ async def test_two_concurrent_requests_land_in_one_batch(client, repository):
 
 
 async def test_kernel_stats_count_layers_and_reset(client):
+    runner = client.app.state.service.runners["wide"]
+    runner.timing_sample_every, runner.timing_min_interval_s = 1, 0.0  # every batch, to count them
     await client.post("/kernel-stats/reset")
     for _ in range(3):
         assert (await client.post("/infer", json={"model": "wide", "inputs": [[1, 2, 3, 4, 5]]})).status_code == 200
@@ -118,8 +120,10 @@ async def test_kernel_stats_count_layers_and_reset(client):
     assert stats["models"]["wide"]["queue_wait"]["count"] == 3
     assert stats["served"]["wide"] == {"in_features": 5, "out_features": 4, "dtype": "float32",
                                        "backend": "torch", "device": "cpu",
-                                       "layer_timings": {"sampled": False, "every_batch": True,
-                                                         "method": "perf_counter"}}
+                                       "layer_timings": {"sampled": True, "every_batch": False,
+                                                         "method": "perf_counter", "sample_every": 1,
+                                                         "min_interval_s": 0.0,
+                                                         "rule": stats["served"]["wide"]["layer_timings"]["rule"]}}
     assert (await client.post("/kernel-stats/reset")).json() == {"reset": True}
     assert (await client.get("/kernel-stats")).json()["layers"] == []
 

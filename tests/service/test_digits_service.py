@@ -48,4 +48,7 @@ async def test_shipped_digits_in_memory_with_concurrent_requests():
         assert acc >= MIN_ACCURACY, f"digits accuracy through /infer {acc:.3f} < {MIN_ACCURACY}"
         stats = (await c.get("/kernel-stats")).json()
         assert stats["served"]["digits"]["in_features"] == 64
-        assert sum(row["calls"] for row in stats["layers"]) == 3 * stats["models"]["digits"]["batches"]
+        # Timings are sampled: every layer of each timed batch, and at least each bucket's first.
+        calls = [row["calls"] for row in stats["layers"]]
+        buckets = {row["M"] for row in stats["layers"]}
+        assert len(calls) == 3 * len(buckets) and sum(calls) <= 3 * stats["models"]["digits"]["batches"], stats["layers"]
