@@ -75,6 +75,11 @@ class WhereToRun:
             self._on_worker.pop(bucket, None)
         return inline
 
+    def quick(self, bucket: int) -> bool:
+        """Whether the bucket's last batch took less than ``inline_batch_s`` (no side effect)."""
+        last = self._compute_s.get(bucket)
+        return self.inline_batch_s == math.inf or (last is not None and last < self.inline_batch_s)
+
     def measured(self, bucket: int, seconds: float) -> None:
         self._compute_s[bucket] = seconds
 
@@ -108,6 +113,9 @@ class Batcher:
         self._wake = asyncio.Event()
         self._state = _BUSY
         self._stopping = False
+        # Whether the last batch ran inline with several requests: then the next one fills (its
+        # requests were sent while nothing was read), even from an empty queue.
+        self._loaded = False
         self._task: asyncio.Task | None = None
         # One thread, and the loop awaits each batch: the runner computes one batch at a time.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"run-{runner.name}")
@@ -155,24 +163,57 @@ class Batcher:
         ``timeout_s`` bounds the wait (DeadlineExceeded); ``abandon`` (e.g. a task that ends when the
         client disconnects) withdraws the request if it completes first (ClientGone). Either way a
         request not yet in a batch leaves the queue at once and is never computed."""
+        if self._state is _IDLE and not self._queue and not self._loaded and not self._stopping \
+                and self._where.quick(rules.bucket(x.shape[0], self.max_batch_size)):
+            return await self._lead(x)
         item = self._enqueue(x)
-        if timeout_s is None and abandon is None:
-            return await item.future
-        waiters = (item.future,) if abandon is None else (item.future, abandon)
+        # The deadline and the abandon signal end the wait by callbacks on the request's future:
+        # no task and no wait set per request.
+        timer = None if timeout_s is None else asyncio.get_running_loop().call_later(
+            timeout_s, self._give_up, item, DeadlineExceeded(
+                f"no answer from model {self.runner.name!r} within {timeout_s * 1000:.0f} ms; "
+                "raise the timeout or retry when the server is less loaded"))
+        gone = None
+        if abandon is not None:
+            def gone(_):
+                self._give_up(item, ClientGone(f"client disconnected before model {self.runner.name!r} answered"))
+            abandon.add_done_callback(gone)
         try:
-            # One wait covers the deadline and the abandon signal: no task per request for either.
-            await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            return await item.future
         finally:
-            if not item.future.done():  # deadline, abandoned, or our caller was cancelled
-                item.future.cancel()
-                self._queue.discard(item)
-        if not item.future.cancelled():
-            return item.future.result()
-        if abandon is not None and abandon.done():
-            raise ClientGone(f"client disconnected before model {self.runner.name!r} answered")
-        raise DeadlineExceeded(
-            f"no answer from model {self.runner.name!r} within {timeout_s * 1000:.0f} ms; "
-            "raise the timeout or retry when the server is less loaded")
+            if timer is not None:
+                timer.cancel()
+            if gone is not None:
+                abandon.remove_done_callback(gone)
+            if not item.future.done():  # our caller was cancelled
+                self._give_up(item, None)
+
+    async def _lead(self, x: np.ndarray) -> np.ndarray:
+        """A request that finds the model idle and quick runs its batch in its own task, as the
+        batch loop would at once, without waking the loop (a task switch and an event per batch).
+        Requests read in the same turn of the event loop join it; later arrivals queue and wake
+        the loop once this batch is done."""
+        item = self._queue.put(x, asyncio.get_running_loop().create_future())
+        self._state = _BUSY
+        try:
+            await asyncio.sleep(0)  # let the requests read in this turn reach the queue
+            await self._execute(self._queue.take(self.max_batch_size))
+        finally:
+            self._state = _IDLE
+            if self._queue or self._stopping:
+                self._wake.set()
+        return item.future.result()
+
+    def _give_up(self, item: Pending, error: Exception | None) -> None:
+        """End the wait of ``item`` with ``error`` (None: cancel it); a request not yet in a batch
+        leaves the queue at once and is never computed."""
+        if item.future.done():
+            return
+        self._queue.discard(item)
+        if error is None:
+            item.future.cancel()
+        else:
+            item.future.set_exception(error)
 
     def _enqueue(self, x: np.ndarray) -> Pending:
         if self._stopping:
@@ -183,7 +224,7 @@ class Batcher:
         return item
 
     async def _loop(self) -> None:
-        idle, loaded = True, False
+        idle = True
         while True:
             if not self._queue:
                 if self._stopping:
@@ -192,7 +233,7 @@ class Batcher:
                 # A request woke an idle model: run at once. But after an inline batch of several
                 # requests, an empty queue only means the loop could not read the requests sent
                 # meanwhile: they are arriving now, so this batch fills like one behind a busy model.
-                idle = not loaded
+                idle = not self._loaded
                 continue
             if not idle and self._queue.rows < self.max_batch_size and not self._stopping:
                 # The model just finished a batch: let this one fill up to the oldest's deadline.
@@ -200,7 +241,7 @@ class Batcher:
             batch = self._queue.take(self.max_batch_size)
             idle = False
             if batch:
-                loaded = await self._execute(batch) and len(batch) > 1
+                await self._execute(batch)
 
     async def _sleep(self, state: str, timeout_s: float | None) -> None:
         """Wait for ``_wake`` (set by ``_enqueue`` as ``state`` asks, or by stop), at most ``timeout_s``."""
@@ -224,6 +265,7 @@ class Batcher:
         rows = x.shape[0]
         bucket = rules.bucket(rows, self.max_batch_size)
         inline = self._where.inline(bucket)
+        self._loaded = inline and len(batch) > 1
         try:
             if inline:
                 out, compute_s = self._run(x)
