@@ -16,7 +16,8 @@ from fusedserve.service.batcher import Batcher
 from fusedserve.service.engine import LocalEngine
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.metrics import Metrics
-from fusedserve.service.middleware import RequestIdMiddleware
+from fusedserve.service.hotpath import HotPath
+from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
 from fusedserve.service.routers import health, infer, metrics, stats, v2
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo, ServiceState
@@ -132,16 +133,28 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return _error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
 
+class ServiceApp(FastAPI):
+    """FastAPI, with the routes that carry rows served first, framework-free (``service.hotpath``)."""
+
+    hot_path: HotPath
+
+    async def __call__(self, scope, receive, send):
+        if not await self.hot_path(scope, receive, send):
+            await super().__call__(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    app = FastAPI(title="fusedserve", version="0.1.0", lifespan=_lifespan,
+    app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan,
                   summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
     state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
     app.state.service = state
     app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
-    app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining)
+    ids = RequestIds()
+    app.hot_path = HotPath(app, state, ids)
+    app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining, ids=ids)
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

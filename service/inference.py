@@ -15,9 +15,9 @@ from fusedserve.service.state import ServiceState
 TIMEOUT_HEADER = "x-request-timeout-ms"
 
 
-def _timeout_s(state: ServiceState, request: Request) -> float:
+def timeout_s(state: ServiceState, asked: str | None) -> float:
+    """The request's deadline in seconds: the server's, or a shorter one the client asked for."""
     limit = state.settings.request_timeout_ms
-    asked = request.headers.get(TIMEOUT_HEADER)
     if asked is not None:
         try:
             value = float(asked)
@@ -29,19 +29,24 @@ def _timeout_s(state: ServiceState, request: Request) -> float:
     return limit / 1000.0
 
 
-async def _disconnected(request: Request) -> None:
+async def _disconnected(receive) -> None:
     # After the body is read, the next ASGI message is http.disconnect (client left or response done).
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def infer(state: ServiceState, request: Request, model: str, x: np.ndarray) -> np.ndarray:
-    """Outputs [rows, out] for ``x``; raises ServiceError subclasses (recorded by the app's handler)."""
-    request.state.model = model
-    timeout_s = _timeout_s(state, request)
-    engine: Engine = request.app.state.engine
-    watch = asyncio.ensure_future(_disconnected(request))
+async def run_rows(engine: Engine, model: str, x: np.ndarray, timeout: float, receive) -> np.ndarray:
+    """Outputs [rows, out] for ``x``; raises ServiceError subclasses. ``receive`` is the request's
+    ASGI receive: a request whose client leaves first is withdrawn."""
+    watch = asyncio.ensure_future(_disconnected(receive))
     try:
-        return await engine.infer(model, x, timeout_s, abandon=watch)
+        return await engine.infer(model, x, timeout, abandon=watch)
     finally:
         watch.cancel()
+
+
+async def infer(state: ServiceState, request: Request, model: str, x: np.ndarray) -> np.ndarray:
+    """``run_rows`` for a framework route (its error handler records a failure)."""
+    request.state.model = model
+    timeout = timeout_s(state, request.headers.get(TIMEOUT_HEADER))
+    return await run_rows(request.app.state.engine, model, x, timeout, request.receive)

@@ -12,22 +12,32 @@ import numpy as np
 import orjson
 from fastapi import Request
 
-from fusedserve.service.errors import BadInput, PayloadTooLarge
+from fusedserve.service.errors import BadInput, ClientGone, PayloadTooLarge
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, refusing (413) one longer than ``limit`` bytes before reading it all."""
-    declared = request.headers.get("content-length")
+    return await read_asgi_body(request.receive, request.headers.get("content-length"), limit)
+
+
+async def read_asgi_body(receive, declared: str | None, limit: int) -> bytes:
+    """The body from ASGI ``receive`` (``declared``: its Content-Length header), refusing (413) one
+    longer than ``limit`` bytes before reading it all; ClientGone if the client leaves first."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit; "
                               "send fewer rows per request")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("client disconnected while sending its request")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit; send fewer rows per request")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _reject_constant(name: str):

@@ -24,13 +24,14 @@ _EXAMPLE = {"model": "mymodel", "inputs": [[0.5, 3.0, -1.25], [1.0, 0.0, 2.0]]}
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"example": _EXAMPLE}}}},
 )
 async def infer_route(request: Request, state: Annotated[ServiceState, Depends(get_state)]) -> Response:
-    info, x = decode(state, await read_body(request, state.settings.max_body_bytes))
+    info, inputs = parse(state, await read_body(request, state.settings.max_body_bytes))
     request.state.model = info.name
+    x = rows(state, info, inputs)
     return Response(encode(info, await infer(state, request, info.name, x)), media_type="application/json")
 
 
-def decode(state: ServiceState, raw: bytes) -> tuple[ModelInfo, np.ndarray]:
-    """The model and float32 rows a ``/infer`` body asks for, or BadInput/UnknownModel/NotReady."""
+def parse(state: ServiceState, raw: bytes) -> tuple[ModelInfo, object]:
+    """The model a ``/infer`` body names and its "inputs", or BadInput/UnknownModel/NotReady."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise BadInput('body must be a JSON object like {"model": "digits", "inputs": [[...], ...]}')
@@ -39,8 +40,12 @@ def decode(state: ServiceState, raw: bytes) -> tuple[ModelInfo, np.ndarray]:
         raise BadInput(f'"model" must be a string, got {type(name).__name__}')
     if "inputs" not in body:
         raise BadInput('body has no "inputs": send {"inputs": [[...], ...]}, one list of numbers per row')
-    info = state.model(name)
-    return info, rows_from_json(body["inputs"], "inputs", info.in_features, state.settings.rows_per_request)
+    return state.model(name), body["inputs"]
+
+
+def rows(state: ServiceState, info: ModelInfo, inputs) -> np.ndarray:
+    """The "inputs" as float32 rows of ``info``'s width, or BadInput."""
+    return rows_from_json(inputs, "inputs", info.in_features, state.settings.rows_per_request)
 
 
 def encode(info: ModelInfo, out: np.ndarray) -> bytes:

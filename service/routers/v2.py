@@ -24,7 +24,8 @@ HEADER_LENGTH = "inference-header-content-length"
 State = Annotated[ServiceState, Depends(get_state)]
 
 
-def _model(state: ServiceState, name: str, version: str | None) -> ModelInfo:
+def model_info(state: ServiceState, name: str, version: str | None) -> ModelInfo:
+    """The named model (None: the only one) at ``version`` (None: any), or NotReady/UnknownModel."""
     info = state.model(name)
     tensors.check_version(info, version)
     return info
@@ -38,13 +39,13 @@ async def server_metadata() -> dict:
 @router.get("/models/{model}", summary="Model metadata")
 @router.get("/models/{model}/versions/{version}", include_in_schema=False)
 async def model_metadata(state: State, model: str, version: str | None = None) -> dict:
-    return tensors.metadata(_model(state, model, version))
+    return tensors.metadata(model_info(state, model, version))
 
 
 @router.get("/models/{model}/ready", summary="Model readiness")
 @router.get("/models/{model}/versions/{version}/ready", include_in_schema=False)
 async def model_ready(state: State, model: str, version: str | None = None) -> JSONResponse:
-    info = _model(state, model, version)
+    info = model_info(state, model, version)
     ok = state.ready
     return JSONResponse({"name": info.name, "ready": ok}, status_code=200 if ok else 503)
 
@@ -102,7 +103,7 @@ def _wants_binary(req: dict) -> bool:
 @router.post("/models/{model}/infer", summary="Inference (JSON or binary tensors)")
 @router.post("/models/{model}/versions/{version}/infer", include_in_schema=False)
 async def model_infer(request: Request, state: State, model: str, version: str | None = None) -> Response:
-    info = _model(state, model, version)
+    info = model_info(state, model, version)
     request.state.model = info.name
     body = await read_body(request, state.settings.max_body_bytes)
     req, x, binary = decode(state, info, body, request.headers.get(HEADER_LENGTH))
@@ -136,7 +137,7 @@ def encode(info: ModelInfo, req: dict, binary: bool, out: np.ndarray) -> tuple[b
 @router.get("/models/{model}/stats", summary="Inference statistics (Triton's format)")
 @router.get("/models/{model}/versions/{version}/stats", include_in_schema=False)
 async def model_stats(state: State, model: str, version: str | None = None) -> dict:
-    info = _model(state, model, version)
+    info = model_info(state, model, version)
     c = state.stats.model_counts(info.name)
 
     def ns(seconds: float) -> int:
