@@ -286,6 +286,11 @@ def benchmark(args, work: Path, started: float) -> dict:
             "runs_s": round(runs_s, 1), "profile": prof}
 
 
+def portable(text: str) -> str:
+    """``text`` without this machine's paths: the interpreter reads ``python``, the checkout ``.``."""
+    return text.replace(json.dumps(sys.executable)[1:-1], "python").replace(json.dumps(str(ROOT))[1:-1], ".")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.monotonic()
@@ -308,7 +313,7 @@ def main(argv=None) -> None:
               "wall_s": round(time.monotonic() - started, 1), "summary": summary,
               "ratios": load_report.ratios(summary, args.ours),
               "targets": load_report.evaluate(summary, args.device, args.ours, naive_one, naive_many), **result}
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.write_text(portable(json.dumps(report, indent=1)) + "\n")
     png = args.out.with_suffix(".png")
     title = f"/infer, 1 row/request, {args.device} on {report['machine']['host']} ({report['machine']['cores']} cores)"
     plotted = load_report.plot(summary, png, title)
