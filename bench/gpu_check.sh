@@ -168,7 +168,9 @@ for s in "${stages[@]}"; do
             --tag "h200_${KERNELS_TAG:-at}" --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --budget-s 400 --out "$out" \
             ${KERNELS_NK:+--nk "$KERNELS_NK" --tag "h200_${KERNELS_NK//,/_}"} ;;
-        load) stage load 200 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
+        # ~4 min with the tune cache warm (a cold one adds ~2-3 min of start-up); LitServe and py-spy
+        # where their wheels were brought (../shared/gpu/wheels.sh litserve py-spy matplotlib).
+        load) stage load 420 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
         profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
             python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;
         mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_h200.jsonl" \

@@ -31,17 +31,18 @@ import os
 import platform
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench.load and the service import from the checkout
-from bench.load import IO_TIMEOUT_S, ServerProcess, drive, free_port, http_json  # noqa: E402
+from bench.loadgen import IO_TIMEOUT_S, read_response  # noqa: E402
+from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -81,6 +82,42 @@ def http_requests(port: int, x: np.ndarray, kind: str) -> list[bytes]:
     return out
 
 
+def http_json(url: str, method: str = "GET") -> dict:
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=IO_TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
+async def _http_client(port: int, requests: list[bytes], deadline: float, latencies: list, errors: list) -> None:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), IO_TIMEOUT_S)
+    i = 0
+    try:
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            writer.write(requests[i % len(requests)])
+            status, _ = await asyncio.wait_for(read_response(reader), IO_TIMEOUT_S)
+            (latencies.append(time.perf_counter() - t0) if status == 200 else errors.append(status))
+            i += 1
+    finally:
+        writer.close()
+
+
+def _summary(latencies: list, errors: list, elapsed: float) -> dict:
+    lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
+    return {"requests": len(latencies), "errors": len(errors), "seconds": elapsed,
+            "rps": len(latencies) / elapsed, "p50_ms": float(np.percentile(lat, 50)),
+            "p99_ms": float(np.percentile(lat, 99)), "mean_ms": float(lat.mean())}
+
+
+async def drive(port: int, requests: list[bytes], clients: int, duration_s: float) -> dict:
+    """``clients`` keep-alive HTTP/1.1 connections in this process sending whole ``requests`` in turn
+    (the gRPC clients run in this process too: one load generator for both protocols)."""
+    latencies, errors = [], []
+    t0 = time.monotonic()
+    await asyncio.gather(*(_http_client(port, requests, t0 + duration_s, latencies, errors) for _ in range(clients)))
+    return _summary(latencies, errors, time.monotonic() - t0)
+
+
 async def _grpc_client(call, requests: list[bytes], deadline: float, latencies: list, errors: list) -> None:
     import grpc
 
@@ -97,7 +134,7 @@ async def _grpc_client(call, requests: list[bytes], deadline: float, latencies: 
 
 
 async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s: float, channels: int) -> dict:
-    """Like bench/load.py's ``drive``, over gRPC: ``clients`` callers on ``channels`` channels, bytes in and out."""
+    """Like ``drive``, over gRPC: ``clients`` callers on ``channels`` channels, bytes in and out."""
     import grpc
 
     from tritonclient.grpc import service_pb2 as pb
@@ -117,10 +154,7 @@ async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s:
         elapsed = time.monotonic() - t0
     finally:
         await asyncio.gather(*(c.close() for c in opened))
-    lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
-    return {"requests": len(latencies), "errors": len(errors), "seconds": elapsed,
-            "rps": len(latencies) / elapsed, "p50_ms": float(np.percentile(lat, 50)),
-            "p99_ms": float(np.percentile(lat, 99)), "mean_ms": float(lat.mean())}
+    return _summary(latencies, errors, elapsed)
 
 
 def canned_server(port: int) -> None:
@@ -144,7 +178,8 @@ def canned_server(port: int) -> None:
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # ServerProcess.stop sends SIGTERM
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         await server.stop(0)
 
@@ -154,14 +189,11 @@ def canned_server(port: int) -> None:
 class CannedProcess(ServerProcess):
     """``canned_server`` in a subprocess; ServerProcess's CPU reading and stop apply as they are."""
 
-    def __init__(self, log_dir: Path):  # not ServerProcess's: no fusedserve, no HTTP
-        self.label, self.port = "grpc_floor", free_port()
-        self.log = log_dir / "server_grpc_floor.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, __file__, "--canned-server", str(self.port)],
-                                         cwd=ROOT, stdout=out, stderr=out)
+    def __init__(self, log_dir: Path):
+        spec = ServerSpec("grpc_floor", ("{python}", str(Path(__file__).resolve()), "--canned-server", "{port}"))
+        super().__init__(spec, "cpu", ROOT, log_dir)
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float) -> None:  # no HTTP: ready once its port accepts
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -233,8 +265,12 @@ def _machine() -> dict:
 def run(args, work: Path) -> dict:
     modes = ["grpc", "grpc_shared", "http_v2", "http_infer"] + ([] if args.no_floor else ["grpc_floor"])
     grpc_port = free_port()
-    server = ServerProcess("fusedserve", ["--device", "cpu", "--grpc-port", str(grpc_port),
-                                          "--max-batch-size", "64", "--max-delay-ms", "2"], work)
+    from fusedserve.models import DEFAULT_REPOSITORY
+
+    # The last --grpc-port wins: this one turns gRPC back on, on a free port.
+    spec = fusedserve_spec("fusedserve", ["--grpc-port", str(grpc_port), "--max-batch-size", "64",
+                                          "--max-delay-ms", "2"])
+    server = ServerProcess(spec, "cpu", Path(DEFAULT_REPOSITORY), work)
     canned = None if args.no_floor else CannedProcess(work)
     # mode -> (the process it loads, the gRPC port its client calls)
     targets = {mode: (server, grpc_port) for mode in modes}
