@@ -3,9 +3,11 @@
 The families a problem is offered to (``registry.offered``) compete once per batch bucket on each
 GPU model: the first call in a new bucket times every family's candidate configs at the bucket's
 largest batch, on rotating copies of its arguments (``tuning.time_configs``), and the tune cache
-keeps the winner. Under the interpreter the first offered family runs its fixed config. Inside a
-CUDA-graph capture, where timing would break the capture, an untuned bucket runs the default (the
-model runner tunes every bucket before it captures).
+keeps the winner. Under the interpreter the first offered family runs its fixed config. Where
+nothing may be timed (a CUDA-graph capture, which timing would break, or a thread in
+``provisional`` mode: the model runner's start-up) an untuned bucket runs its provisional choice
+(``kernels.provisional``: a shipped table or the rules), remembered per key so that later calls
+outside a tuning thread keep it until the bucket is tuned.
 """
 
 import itertools
@@ -13,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fusedserve.kernels import registry
+from fusedserve.kernels import provisional, registry
 from fusedserve.kernels.arguments import interpreting
 from fusedserve.kernels.device import cuda_name, pdl_supported
 from fusedserve.kernels.family import KernelFamily
@@ -31,6 +33,7 @@ class Choice:
     kernel: str  # the family's name
     config: dict | None  # None: not known before tuning
     tuned: bool  # the tuner's pick here (False: the default before tuning, or the interpreter's)
+    source: str = "tuned"  # "tuned", or before tuning "table", "rules" or "default"
 
     def describe(self) -> str:
         """The config as kernel stats show it ("" when not known yet)."""
@@ -71,28 +74,59 @@ def cached(problem: Problem, device, static_weight=False) -> Choice | None:
     return None if entry is None else Choice(entry["kernel"], entry["config"], tuned=True)
 
 
+def current(problem: Problem, device, static_weight=False) -> Choice:
+    """What a launch of this problem runs now without timing anything: the tuned choice, else the
+    provisional one if one was made, else ``default``."""
+    found = cached(problem, device, static_weight)
+    if found is None and not interpreting():
+        found = _provisional.get((cuda_name(device), _tune_key(registry.offered(problem), problem, static_weight)))
+    return found or default(problem)
+
+
 def default(problem: Problem) -> Choice:
     """The choice before tuning: the first offered family; its config is known only where nothing
     is tuned (the interpreter's fixed config)."""
     first = registry.offered(problem)[0]
-    return Choice(first.name, first.interpret_config if interpreting() else None, tuned=False)
+    return Choice(first.name, first.interpret_config if interpreting() else None, tuned=False, source="default")
+
+
+# (device name, tune key) -> the provisional Choice made there: every launch of an untuned bucket
+# runs the same config (a capture must not meet a config the eager warm-up did not compile).
+_provisional: dict[tuple[str, str], Choice] = {}
+
+
+def provisional_choice(problem: Problem, device, static_weight=False, families=None) -> Choice:
+    """The choice for this problem before its bucket is tuned, without timing (``kernels.provisional``),
+    the same for every call until then."""
+    families = families or registry.offered(problem)
+    name = cuda_name(device)
+    memo = (name, _tune_key(families, problem, static_weight))
+    choice = _provisional.get(memo)
+    if choice is None:
+        kernel, config, source = provisional.provisional_choice(problem, families, provisional.table(name),
+                                                                static_weight)
+        choice = _provisional.setdefault(memo, Choice(kernel, config, tuned=False, source=source))
+    return choice
 
 
 def choose(problem: Problem, x2d, weight, bias, activation, static_weight=False,
            families: tuple[KernelFamily, ...] | None = None) -> Choice:
-    """The choice for this layer: the interpreter's fixed one, the cached tuned one, the default
-    inside a CUDA-graph capture, or (first call in a bucket) the winner of timing them all now.
-    ``families``: the competitors (default: every family offered for the problem)."""
+    """The choice for this layer: the interpreter's fixed one, the cached tuned one, the provisional
+    one where nothing may be timed (see the module docstring), or (first call in a bucket) the
+    winner of timing them all now. ``families``: the competitors (default: every family offered
+    for the problem)."""
     families = families or registry.offered(problem)
     if interpreting():  # (check_args lets CPU tensors through only then)
-        return Choice(families[0].name, families[0].interpret_config, tuned=False)
+        return Choice(families[0].name, families[0].interpret_config, tuned=False, source="interpreter")
     key = _tune_key(families, problem, static_weight)
     cache = device_cache(cuda_name(x2d.device))
     entry = cache.get(key)
     if entry is not None:
         return Choice(entry["kernel"], entry["config"], tuned=True)
-    if torch.cuda.is_current_stream_capturing():
-        return Choice(families[0].name, families[0].candidates(problem)[0], tuned=False)
+    mode = provisional.mode()
+    if mode == "provisional" or (mode is None and (cuda_name(x2d.device), key) in _provisional) \
+            or torch.cuda.is_current_stream_capturing():
+        return provisional_choice(problem, x2d.device, static_weight, families)
     kernel, config = _tune(families, problem, x2d, weight, bias, activation, static_weight)
     cache.put(key, {"kernel": kernel, "config": config})
     return Choice(kernel, config, tuned=True)

@@ -102,10 +102,11 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
 
 def kernel_choice(M, N, K, dtype, device, *, static_weight=False) -> tuple[str, str]:
     """``(kernel family, config string)`` that ``fused_linear`` uses for contiguous ``[M, K]``
-    inputs of ``dtype`` on ``device``: the tuned choice, or the default (config "") before this
-    batch bucket has been tuned here; under the interpreter, its fixed config."""
+    inputs of ``dtype`` on ``device``: the tuned choice, the provisional one before this batch
+    bucket has been tuned here (where one was made), or the default (config ""); under the
+    interpreter, its fixed config."""
     problem = problem_of_shape(M, N, K, dtype, device)
-    choice = choosing.cached(problem, torch.device(device), static_weight) or choosing.default(problem)
+    choice = choosing.current(problem, torch.device(device), static_weight)
     return choice.kernel, choice.describe()
 
 

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedserve.kernels import provisional
 from fusedserve.kernels.activations import ACTIVATIONS, apply_activation
 from fusedserve.kernels.arguments import check_normalization, interpreting
 from fusedserve.kernels.device import cuda_name, cuda_sm_count, pdl_supported
@@ -215,12 +216,14 @@ def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: t
     already has a tuned config (another model with that layer shape and role tuned it) keeps it, as
     the one candidate of its step: launches captured since may use it. Nothing is timed on the CPU
     (``layer_config`` of each layer) or inside a CUDA-graph capture, which timing would break
-    (stored configs, ``fused_mlp_config`` for the rest).
+    (stored configs, ``fused_mlp_config`` for the rest), nor in a thread in provisional mode
+    (``kernels.provisional``: the runner's start-up).
     """
     x = _checked_input(x, packed, 0, shift, scale)  # the errors a launch raises, before any timing
     M, device = x.shape[0], x.device
     tuned = [_timed_config(M, packed, index, device) for index in range(packed.num_layers)]
-    if device.type != "cuda" or None not in tuned or torch.cuda.is_current_stream_capturing():
+    if (device.type != "cuda" or None not in tuned or torch.cuda.is_current_stream_capturing()
+            or provisional.mode() == "provisional"):
         return [config or _default_config(M, packed, index, device) for index, config in enumerate(tuned)]
     dtype, sms = packed.weights.dtype, sm_count(device)
     candidates = [[config] if config is not None else fused_mlp_candidates(M, N, K, dtype, sms)

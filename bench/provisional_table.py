@@ -1,0 +1,87 @@
+"""Build the provisional-choice table shipped in the package (``kernels/tables/``) from measured
+kernel results: for every (dtype, batch bucket, N, K, static_weight) the family and config the
+tuner chose in the newest run that measured it.
+
+No GPU needed. From the repository root:
+
+    python bench/provisional_table.py                      # every bench/results/kernels_h200*.json
+    python bench/provisional_table.py RUN.json ... [--out DIR]
+
+Writes ``DIR/<gpu>-triton-<version>.json`` (default DIR: ``kernels/tables``) per GPU and Triton
+version found: {"gpu", "triton", "sources", "fields", "entries": [[dtype, M, N, K, static_weight,
+kernel, config], ...]}. ``kernels/provisional.py`` reads it.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from fusedserve.kernels.provisional import table_path  # noqa: E402  (sys.path)
+from fusedserve.kernels.rules import m_bucket  # noqa: E402
+
+FIELDS = ("dtype", "M", "N", "K", "static_weight", "kernel", "config")
+# The impls whose rows name the tuner's choice, and whether they ran with static_weight.
+IMPLS = {"fusedserve": False, "fusedserve_static_weight": True}
+
+
+def parse_config(text: str) -> dict | None:
+    """``"BLOCK_M=64,FMA=True"`` as ``{"BLOCK_M": 64, "FMA": True}``; None for a config some family
+    describes in another form (it cannot be matched to a candidate)."""
+    config = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            return None
+        config[key] = True if value == "True" else False if value == "False" else int(value) if value.lstrip(
+            "-").isdigit() else value
+    return config
+
+
+def winners(runs) -> dict:
+    """``{(gpu, triton): {(dtype, M bucket, N, K, static): (date, kernel, config)}}``, the newest run
+    winning where several measured the same key."""
+    tables = {}
+    for run in runs:
+        chosen = tables.setdefault((run["gpu"], run["triton"]), {})
+        for row in run["rows"]:
+            if row.get("impl") not in IMPLS or "median_us" not in row or not row.get("kernel"):
+                continue
+            config = parse_config(row.get("config", ""))
+            if config is None:
+                continue
+            key = (row["dtype"], m_bucket(row["M"]), row["N"], row["K"], IMPLS[row["impl"]])
+            date = row.get("run", run["date"])
+            if key not in chosen or chosen[key][0] <= date:
+                chosen[key] = (date, row["kernel"], config)
+    return tables
+
+
+def build(paths, out: Path) -> list[Path]:
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    written = []
+    for (gpu, version), chosen in winners(runs).items():
+        entries = [[*key, kernel, config] for key, (_, kernel, config) in sorted(chosen.items())]
+        path = table_path(gpu, version, out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = dict(gpu=gpu, triton=version, sources=sorted(Path(p).name for p in paths), fields=FIELDS,
+                    entries=entries)
+        path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+        written.append(path)
+        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {len(entries)} entries")
+    return written
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="*", type=Path, help="kernels_*.json runs (default: the H200 ones)")
+    parser.add_argument("--out", type=Path, default=ROOT / "kernels" / "tables")
+    args = parser.parse_args()
+    paths = args.results or sorted((ROOT / "bench" / "results").glob("kernels_h200*.json"))
+    build(paths, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Provisional choices: the shipped table, its nearest-shape lookup, the rules' fallback, and
+``choosing.choose`` taking them without timing where it must not time."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fusedserve.kernels import choosing, provisional, registry, tune_cache
+from fusedserve.kernels.provisional import Entry, closest_config, provisional_choice
+from fusedserve.kernels.rules import Problem, tuning_rows
+
+H200 = "NVIDIA H200"
+
+
+def hopper(M, N=4096, K=4096, dtype=torch.bfloat16):
+    return Problem(M, N, K, dtype, (9, 0), True)
+
+
+def test_the_shipped_h200_table_names_current_candidates():
+    entries = provisional.table(H200, "3.6.0")
+    assert len(entries) > 100, "the table is built from every H200 kernel run (bench/provisional_table.py)"
+    exact = 0
+    for e in entries:
+        problem = Problem(e.M, e.N, e.K, getattr(torch, e.dtype), (9, 0), True)
+        family = registry.family(e.kernel)
+        exact += e.config in family.candidates(replace(problem, M=tuning_rows(e.M)))
+    # A table whose configs are no longer candidates was measured on older kernels: rebuild it.
+    assert exact >= 0.95 * len(entries), f"only {exact}/{len(entries)} table configs are current candidates"
+
+
+def test_a_grid_shape_takes_the_measured_winner():
+    entry = next(e for e in provisional.table(H200, "3.6.0")
+                 if (e.M, e.N, e.K, e.dtype, e.static_weight) == (16, 4096, 4096, "bfloat16", True))
+    problem = hopper(16)
+    kernel, config, source = provisional_choice(problem, registry.offered(problem), provisional.table(H200, "3.6.0"),
+                                                static_weight=True)
+    assert (kernel, config, source) == (entry.kernel, entry.config, "table")
+
+
+def test_an_unmeasured_shape_takes_the_nearest_measured_family():
+    entries = (Entry("bfloat16", 1, 4096, 4096, True, "triton_small_m", {"no": "such config"}),
+               Entry("bfloat16", 4096, 4096, 4096, True, "triton_tma_persistent", {}))
+    for M, want in ((2, "triton_small_m"), (3000, "triton_tma_persistent")):
+        problem = hopper(M, N=3072, K=3072)
+        families = registry.offered(problem)
+        kernel, config, source = provisional_choice(problem, families, entries, static_weight=True)
+        assert (kernel, source) == (want, "table"), f"M={M}"
+        assert config in registry.family(kernel).candidates(replace(problem, M=tuning_rows(M))), \
+            "a config that is no candidate is only a hint: one of the family's own runs"
+
+
+def test_no_table_falls_back_to_the_rules():
+    assert provisional.table("Some Future GPU") == ()
+    problem = Problem(100, 1000, 24, torch.float16, (8, 0), True)
+    families = registry.offered(problem)
+    kernel, config, source = provisional_choice(problem, families, ())
+    assert source == "rules"
+    assert (kernel, config) == (families[0].name, families[0].candidates(replace(problem, M=128))[0])
+
+
+def test_closest_config_prefers_the_exact_one_then_the_most_shared_values():
+    candidates = [{"A": 1, "B": 2, "C": 3}, {"A": 1, "B": 5, "C": 6}, {"A": 9, "B": 5, "C": 6}]
+    assert closest_config(candidates, {"A": 9, "B": 5, "C": 6}) == candidates[2]
+    assert closest_config(candidates, {"A": 1, "B": 5, "C": 0}) == candidates[1]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """``choose`` as on an H200 with an empty tune cache, on CPU tensors, with the tuner replaced."""
+    monkeypatch.setattr(choosing, "interpreting", lambda: False)
+    monkeypatch.setattr(choosing, "cuda_name", lambda device: H200)
+    cache = tune_cache.TuneCache(H200, directory=tmp_path)
+    monkeypatch.setattr(choosing, "device_cache", lambda name: cache)
+    monkeypatch.setattr(choosing, "_provisional", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    tuned = []
+
+    def fake_tune(families, problem, *args):
+        tuned.append(problem.M)
+        return families[-1].name, {"timed": True}
+
+    monkeypatch.setattr(choosing, "_tune", fake_tune)
+    return tuned
+
+
+def test_choose_takes_the_provisional_choice_without_timing_until_told_to_tune(fake_gpu):
+    problem = hopper(48)
+    x, w = torch.empty(48, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
+    with provisional.choosing_mode("provisional"):
+        first = choosing.choose(problem, x, w, None, "relu", static_weight=True)
+    assert not first.tuned and first.source == "table" and fake_gpu == []
+    # A serving thread (no mode) keeps the provisional choice: it never times.
+    assert choosing.choose(problem, x, w, None, "relu", static_weight=True) is first
+    assert choosing.current(problem, "cuda", static_weight=True) is first and fake_gpu == []
+    with provisional.choosing_mode("tune"):
+        tuned = choosing.choose(problem, x, w, None, "relu", static_weight=True)
+    assert tuned.tuned and tuned.config == {"timed": True} and fake_gpu == [48]
+    assert choosing.choose(problem, x, w, None, "relu", static_weight=True).config == {"timed": True}, \
+        "the tuned choice is kept in the tune cache"
+
+
+def test_choose_still_tunes_a_key_never_chosen_provisionally(fake_gpu):
+    problem = hopper(300)
+    x, w = torch.empty(300, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
+    assert choosing.choose(problem, x, w, None, "relu").tuned and fake_gpu == [300]
+
+
+def test_choosing_mode_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="mode must be"):
+        with provisional.choosing_mode("fast"):
+            pass
