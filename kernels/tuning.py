@@ -2,6 +2,8 @@
 (``time_configs``), one config per layer of a chain (``descend_chain``), and the rotating copies of
 a layer's arguments that keep its weights out of L2 while it is timed."""
 
+import contextlib
+import contextvars
 import warnings
 
 import torch
@@ -19,6 +21,27 @@ _FINAL_REPEATS = 5
 # _MAX_SETS copies; together they may still fit in L2, as they would in serving).
 _COLD_BYTES = 128 * 2**20
 _MAX_SETS = 32
+
+
+# Called between two candidates' timings (``yielding``): a background tuner pauses there, or stops.
+_between = contextvars.ContextVar("fusedserve_between_candidates", default=None)
+
+
+@contextlib.contextmanager
+def yielding(between):
+    """Within the block, this thread's tuning calls ``between()`` after timing each candidate (a
+    background tuner sleeps there so serving gets the GPU and the GIL; what it raises stops tuning)."""
+    token = _between.set(between)
+    try:
+        yield
+    finally:
+        _between.reset(token)
+
+
+def _pause():
+    between = _between.get()
+    if between is not None:
+        between()
 
 
 def _median(values):
@@ -48,6 +71,7 @@ def _first_round(candidates, run, timer):
             warnings.warn(f"tuning candidate {candidate} failed and was skipped: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=3)
             failure = e
+        _pause()
     return timings, failure
 
 
@@ -76,6 +100,7 @@ def time_configs(candidates, run, timer=None):
     for _ in range(_FINAL_ROUNDS):
         for sampler, into in zip(samplers, samples):
             into += sampler(_FINAL_REPEATS)
+        _pause()
     medians = [_median(s) for s in samples]
     return timings, finalists[medians.index(min(medians))]
 

@@ -39,13 +39,16 @@ class BucketGraphs:
         self.plain.clear()
         self.timed.clear()
 
-    def record(self, forward: Forward, hook=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """``(graph, static output)`` of ``forward(hook)``; raises what the capture raises."""
+    def record(self, forward: Forward, hook=None, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """``(graph, static output)`` of ``forward(hook)``; raises what the capture raises. ``pool``:
+        another memory pool than the shared one (graphs captured while others replay, ``retune``)."""
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if pool is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            pool = self._pool
         # thread_local: a stats reader collecting timings on another thread must not break it.
-        with torch.no_grad(), gc_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.no_grad(), gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = forward(hook)
         return graph, out
 
@@ -62,20 +65,26 @@ class BucketGraphs:
 
     def capture_timed(self, bucket: int, forward: Forward) -> bool:
         """Capture ``forward`` at ``bucket`` with events between layers into ``timed``; False (timed
-        batches then launch eagerly) where that cannot be captured: torch < 2.8 has no external
-        events."""
+        batches then launch eagerly) where that cannot be captured."""
+        twin = self.timed_twin(bucket, forward)
+        if twin is not None:
+            self.timed[bucket] = twin
+        return twin is not None
+
+    def timed_twin(self, bucket: int, forward: Forward, pool=None):
+        """``(graph, static output, events)`` of ``forward`` with events between layers, or None
+        where that cannot be captured: torch < 2.8 has no external events."""
         try:
             marks = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(self.num_layers + 1)]
         except TypeError:
             log.info("this torch cannot record CUDA events inside a graph; timed batches of %r run "
                      "eagerly", self.name)
-            return False
+            return None
         try:
-            graph, out = self.record(forward, lambda i: marks[i].record())
+            graph, out = self.record(forward, lambda i: marks[i].record(), pool)
         except Exception:
             log.warning("the timed CUDA graph of %r at M=%d could not be captured; its timed batches run "
                         "eagerly", self.name, bucket, exc_info=True)
-            torch.cuda.synchronize(self.device)
-            return False
-        self.timed[bucket] = (graph, out, marks)
-        return True
+            torch.cuda.current_stream(self.device).synchronize()
+            return None
+        return graph, out, marks

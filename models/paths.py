@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from fusedserve.kernels import choosing
 from fusedserve.kernels.family import config_str
-from fusedserve.kernels.rules import m_bucket
+from fusedserve.kernels.rules import m_bucket, problem_of_shape
 from fusedserve.kernels.triton import fused_mlp
 from fusedserve.models.mlp import MLP
 
 # Warm-up times each candidate path with this many rounds of back-to-back calls (best round wins).
 CHOICE_ROUNDS, CHOICE_CALLS = 3, 10
+# Before timing, the fused path is taken for models this narrow at batches this small: on the H200
+# it won every bucket up to 512 rows of the 64-256-256-10 digits model, and lost every bucket of the
+# 1024- and 4096-wide ones (bench/results/model_h200.json).
+PROVISIONAL_FUSED_MAX_WIDTH, PROVISIONAL_FUSED_MAX_ROWS = 512, 512
 
 
 class LayersPath:
@@ -36,6 +41,15 @@ class LayersPath:
 
     def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
         return self.model(x, hook)  # [bucket, in] -> [bucket, out]
+
+    def tuned(self, bucket: int) -> bool:
+        """Whether every layer's choice at ``bucket`` is in the tune cache (nothing to time: True)."""
+        model = self.model
+        if model.backend == "torch" or model.device.type != "cuda":
+            return True
+        return all(choosing.cached(problem_of_shape(bucket, layer.out_features, layer.in_features,
+                                                    model.config.torch_dtype, model.device),
+                                   model.device, static_weight=True) is not None for layer in model.layers)
 
     def kernel(self, index: int, bucket: int) -> tuple[str, str]:
         """``(kernel, config)`` that layer ``index`` ran at ``bucket``, as its last call there reported
@@ -72,6 +86,10 @@ class FusedPath:
             hook(self.packed.num_layers)
         return h
 
+    def tuned(self, bucket: int) -> bool:
+        """Whether every layer's config at ``bucket`` is chain-tuned (nothing to time: True)."""
+        return fused_mlp.chain_tuned(bucket, self.packed, self.model.device)
+
     def kernel(self, index: int, bucket: int) -> tuple[str, str]:
         """``(kernel, config)`` that layer ``index`` runs at ``bucket``."""
         config = fused_mlp.layer_config(bucket, self.packed, index, self.model.device)
@@ -97,6 +115,15 @@ def candidate_paths(model: MLP, fused: bool | None) -> dict:
     if fused is None and device.type == "cuda":
         return {"fused": FusedPath(model), "layers": LayersPath(model)}
     return {"fused": FusedPath(model)}
+
+
+def provisional_path(candidates: tuple[str, ...], model: MLP, bucket: int) -> str:
+    """The path a bucket runs before anything is timed: with both candidates, "fused" for narrow
+    models at small batches (``PROVISIONAL_FUSED_MAX_*``), else "layers"."""
+    if len(candidates) == 1:
+        return candidates[0]
+    narrow = max(model.config.widths) <= PROVISIONAL_FUSED_MAX_WIDTH and bucket <= PROVISIONAL_FUSED_MAX_ROWS
+    return "fused" if narrow and "fused" in candidates else "layers"
 
 
 def seconds_per_call(step) -> float:

@@ -7,15 +7,17 @@ bucket) and ``sampling`` (which batches are timed, their records).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 
 import torch
 
-from fusedserve.kernels import rules
+from fusedserve.kernels import provisional, rules
 from fusedserve.models.graphs import BucketGraphs
 from fusedserve.models.mlp import MLP
-from fusedserve.models.paths import candidate_paths, choose
+from fusedserve.models.paths import candidate_paths, choose, provisional_path
 from fusedserve.models.sampling import EagerClock, LayerRecords, TimingSampler
 from fusedserve.models.staging import Staging
 from fusedserve.models.timing import LayerTiming, PendingEvents, TimingSink
@@ -31,10 +33,17 @@ class ModelRunner:
     float32 on the CPU. Rows are independent, so padded rows (whatever an earlier batch left
     there) never change real rows; they are computed and dropped.
 
-    ``warmup()`` warms every bucket: each candidate path runs once (autotuning its kernels at that
-    shape; the fused path's layers are tuned together first, ``fused_mlp.tune_chain``), then
-    on CUDA one CUDA graph per path is captured (only after tuning: timing configs inside a capture
-    would break it). If a capture fails, the runner logs why and launches eagerly.
+    ``warmup()`` warms every bucket. A bucket whose kernels the tune cache already holds: each
+    candidate path runs once, then on CUDA one CUDA graph per path is captured and the faster path
+    kept. Any other bucket (with ``provisional``, the default) runs provisional choices
+    (``kernels.provisional``) on one path picked by rule (``paths.provisional_path``): one compile
+    per layer and a capture, nothing timed; ``choice_states[bucket]`` says "provisional" until
+    ``retune(bucket)`` (the background tuner, ``models.background``) times its kernels and paths
+    (the fused path's layers together, ``fused_mlp.tune_chain``) and swaps the result in between
+    two batches; then "tuned" ("fixed" where nothing is ever timed: the CPU, the torch backend).
+    With ``provisional=False`` warm-up tunes every bucket itself. If a capture fails, the runner
+    logs why and launches eagerly. ``startup_seconds`` splits warm-up into compile, tune, capture
+    and path-choice seconds.
 
     Paths (``models.paths``): with the triton backend a bucket runs either "fused" (``kernels/triton/fused_mlp.py``:
     one launch per layer, the input normalization fused into the first) or "layers" (the model's own
@@ -65,7 +74,7 @@ class ModelRunner:
 
     def __init__(self, model: MLP, *, max_batch_size: int, timing_sink: TimingSink | None = None,
                  cuda_graphs: bool | None = None, timing_sample_every: int = 16,
-                 timing_min_interval_s: float = 0.02, fused: bool | None = None):
+                 timing_min_interval_s: float = 0.02, fused: bool | None = None, provisional: bool = True):
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a models.MLP, got {type(model).__name__}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -95,6 +104,11 @@ class ModelRunner:
         self._pending = PendingEvents()
         self._records = LayerRecords(model, lambda path, index, bucket: self._paths[path].kernel(index, bucket))
         self._clock = EagerClock(self._records, self._pending, self._emit, self.device)
+        self.provisional = provisional
+        self.choice_states: dict[int, str] = {}  # bucket -> "provisional", "tuned" or "fixed"
+        self.startup_seconds = dict.fromkeys(("compile", "tune", "capture", "path_choice"), 0.0)
+        # Held for a whole batch (run, compute) and for a swap (retune): a swap lands between batches.
+        self._lock = threading.RLock()
 
     # -- public API --------------------------------------------------------------------------
 
@@ -115,25 +129,37 @@ class ModelRunner:
         self._sampler.min_interval_s = seconds
 
     def warmup(self) -> dict[int, float]:
-        """Warm every bucket (autotuning, path choice, CUDA-graph capture); seconds per bucket."""
+        """Warm every bucket (see the class docstring); seconds per bucket."""
         seconds = {}
         for i, bucket in enumerate(self.buckets, 1):
             start = time.perf_counter()
-            self._warm_bucket(bucket)
+            with self._lock:
+                self._warm_any(bucket)
             seconds[bucket] = time.perf_counter() - start
-            log.info("warm-up %r: bucket %d/%d (M=%d) took %.3f s, path %s%s", self.name, i,
-                     len(self.buckets), bucket, seconds[bucket], self._chosen[bucket],
+            log.info("warm-up %r: bucket %d/%d (M=%d) took %.3f s, path %s, %s choices%s", self.name, i,
+                     len(self.buckets), bucket, seconds[bucket], self._chosen[bucket], self.choice_states[bucket],
                      " (CUDA graph captured)" if bucket in self._graphs.plain else "")
+        split = ", ".join(f"{phase} {s:.2f} s" for phase, s in self.startup_seconds.items())
+        log.info("start-up %r: warm in %.2f s (%s); %d of %d buckets provisional", self.name, sum(seconds.values()),
+                 split, len(self.provisional_buckets()), len(self.buckets))
         return seconds
+
+    def provisional_buckets(self) -> list[int]:
+        """The buckets that still run provisional choices (``retune`` tunes them)."""
+        return [b for b in self.buckets if self.choice_states.get(b) == "provisional"]
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, in_features]`` float32 CPU -> ``[M, out_features]`` float32 CPU."""
+        with self._lock:
+            return self._run(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._staging.check(x)
         bucket = rules.bucket(rows, self.max_batch_size)
         if self._pending:  # eager timed batches' events (a lock and a query each; most runs have none)
             self._emit(self._pending.ready())
         if bucket not in self._chosen:
-            self._warm_bucket(bucket)
+            self._warm_any(bucket)
         self._staging.copy_in(x, rows)
         each_batch = self.device.type == "cuda" and bucket not in self._graphs.plain
         timed = self.timing_sink is not None and self._sampler.due(bucket, each_batch)
@@ -180,6 +206,10 @@ class ModelRunner:
         replay when captured), without copies or timings: what a benchmark measures. Returns the
         device output ``[bucket, out_features]``; with graphs it is the graph's static buffer, which
         the next call overwrites."""
+        with self._lock:
+            return self._compute(bucket)
+
+    def _compute(self, bucket: int) -> torch.Tensor:
         captured = self._graphs.plain.get(bucket)
         if captured is not None:  # the hot path: one replay, nothing else
             captured[0].replay()
@@ -187,9 +217,9 @@ class ModelRunner:
         if bucket not in self.buckets:
             raise ValueError(f"bucket must be one of {self.buckets}, got {bucket!r}")
         if bucket not in self._chosen:
-            self._warm_bucket(bucket)
+            self._warm_any(bucket)
             if bucket in self._graphs.plain:
-                return self.compute(bucket)
+                return self._compute(bucket)
         with torch.no_grad():
             return self._forward(bucket, self._chosen[bucket])
 
@@ -221,20 +251,111 @@ class ModelRunner:
         """The model on the first ``bucket`` input rows by ``path``; ``hook`` as ``MLP.forward`` takes it."""
         return self._paths[path].forward(self._staging.input[:bucket], hook)  # [bucket, in] -> [bucket, out]
 
-    def _warm_bucket(self, bucket: int) -> None:
-        """Tune every candidate path at ``bucket``, capture their graphs, keep the fastest path."""
-        self._tune_candidates(bucket)
-        graphs = self._capture_candidates(bucket) if self.cuda_graphs else {}
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Adds the block's seconds to ``startup_seconds[name]`` (warm-up's split)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.startup_seconds[name] += time.perf_counter() - start
+
+    def _warm_any(self, bucket: int) -> None:
+        """Warm ``bucket``: provisionally where something is left to tune, else as tuned."""
+        if self.provisional and not all(self._paths[p].tuned(bucket) for p in self._candidates):
+            self._warm_provisional(bucket)
+            return
+        tunable = self.device.type == "cuda" and self.backend == "triton"
+        self._warm_bucket(bucket, "tune" if self.provisional is False and tunable else "compile")
+        self.choice_states[bucket] = "tuned" if tunable else "fixed"
+
+    def _warm_provisional(self, bucket: int) -> None:
+        """Run and capture ``bucket`` on its rule's path with provisional choices: nothing timed. A
+        path that fails leaves the running when another remains (as in ``_tune_candidates``)."""
+        path = provisional_path(self._candidates, self.model, bucket)
+        with provisional.choosing_mode("provisional"), torch.no_grad():
+            try:
+                with self._phase("compile"):  # the first launch of each layer compiles its one config
+                    self._forward(bucket, path)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+            except Exception:
+                self._leave_out(path, bucket)
+                return self._warm_provisional(bucket)
+            with self._phase("capture"):
+                graphs = self._capture_candidates(bucket, (path,)) if self.cuda_graphs else {}
+                self._install(bucket, path, graphs.get(path))
+        self.choice_states[bucket] = "provisional"
+
+    def _install(self, bucket: int, path: str, captured) -> None:
+        """``path`` is what ``bucket`` runs, replaying ``captured`` (and its timed twin) if given."""
+        self._chosen[bucket] = path
+        if captured is not None:
+            self._graphs.plain[bucket] = captured
+            self._graphs.capture_timed(bucket, lambda hook: self._forward(bucket, path, hook))
+
+    def _warm_bucket(self, bucket: int, phase: str = "tune") -> None:
+        """Tune every candidate path at ``bucket``, capture their graphs, keep the fastest path.
+        ``phase``: where ``startup_seconds`` counts the first launches (nothing to time: "compile")."""
+        with self._phase(phase):
+            self._tune_candidates(bucket)
+        with self._phase("capture"):
+            graphs = self._capture_candidates(bucket, self._candidates) if self.cuda_graphs else {}
         chosen = self._candidates[0]
         if len(self._candidates) > 1:
-            chosen, self.path_seconds[bucket] = choose(
-                {path: self._step(bucket, path, graphs.get(path)) for path in self._candidates})
+            with self._phase("path_choice"):
+                chosen, self.path_seconds[bucket] = choose(
+                    {path: self._step(bucket, path, graphs.get(path)) for path in self._candidates})
             log.info("%r at M=%d runs the %s path (%s)", self.name, bucket, chosen,
                      ", ".join(f"{p} {s * 1e6:.1f} us" for p, s in self.path_seconds[bucket].items()))
-        self._chosen[bucket] = chosen
-        if chosen in graphs:
-            self._graphs.plain[bucket] = graphs[chosen]
-            self._graphs.capture_timed(bucket, lambda hook: self._forward(bucket, chosen, hook))
+        with self._phase("capture"):
+            self._install(bucket, chosen, graphs.get(chosen))
+
+    def retune(self, bucket: int) -> str:
+        """Tune ``bucket`` on the calling thread while ``run`` goes on serving it, then swap the
+        result in between two batches; returns the path chosen. Every candidate path's kernels are
+        timed (tune mode) on a copy of the input rows, on a stream of its own; their graphs are
+        captured into a memory pool of their own (the graphs serving replays meanwhile keep theirs),
+        the faster path is kept, and its graph pair replaces the bucket's under the runner's lock."""
+        x = self._staging.input[:bucket].clone()  # serving keeps writing the input buffer meanwhile
+        on_cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if on_cuda else None
+        with provisional.choosing_mode("tune"), torch.no_grad(), \
+                (torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext()):
+            for name in self._candidates:
+                self._paths[name].tune(x)
+                self._paths[name].forward(x)
+            if on_cuda:
+                stream.synchronize()
+            pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+            graphs = {name: self._graphs.record(lambda hook, name=name: self._forward(bucket, name, hook), pool=pool)
+                      for name in (self._candidates if self.cuda_graphs else ())}
+            chosen, seconds = self._candidates[0], None
+            if len(self._candidates) > 1:
+                chosen, seconds = choose({p: self._step(bucket, p, graphs.get(p)) for p in self._candidates})
+            timed = None
+            if chosen in graphs:
+                timed = self._graphs.timed_twin(bucket, lambda hook: self._forward(bucket, chosen, hook), pool)
+            if on_cuda:
+                stream.synchronize()
+        self._swap(bucket, chosen, graphs.get(chosen), timed, seconds)
+        return chosen
+
+    def _swap(self, bucket: int, path: str, plain, timed, seconds) -> None:
+        """Make ``path`` with graphs ``plain``/``timed`` (None: eager) what ``bucket`` runs, under the
+        lock a batch holds: no batch sees half of it. The replaced graphs are freed after."""
+        with self._lock:
+            old = (self._graphs.plain.pop(bucket, None), self._graphs.timed.pop(bucket, None))
+            self._chosen[bucket] = path
+            if plain is not None:
+                self._graphs.plain[bucket] = plain
+            if timed is not None:
+                self._graphs.timed[bucket] = timed
+            if seconds is not None:
+                self.path_seconds[bucket] = seconds
+            self._records.forget(bucket)  # timings name the new configs from the next batch on
+            self.choice_states[bucket] = "tuned"
+        del old
 
     def _step(self, bucket: int, path: str, captured):
         """One call of ``path`` at ``bucket`` as ``compute`` makes it: a replay of its graph when captured."""
@@ -253,19 +374,24 @@ class ModelRunner:
                     self._paths[name].tune(x)
                     self._forward(bucket, name)
                 except Exception:
-                    if len(self._candidates) == 1:
-                        raise
-                    log.warning("the %s path of %r failed at M=%d; the runner leaves it out from now on",
-                                name, self.name, bucket, exc_info=True)
-                    self._candidates = tuple(p for p in self._candidates if p != name)
+                    self._leave_out(name, bucket)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
-    def _capture_candidates(self, bucket: int) -> dict:
-        """``{path: (graph, static output)}`` for every candidate at ``bucket``; empty (and eager
+    def _leave_out(self, path: str, bucket: int) -> None:
+        """Called in an ``except`` block: the failed ``path`` leaves the running where another
+        remains (an automatic choice, and the other computes the same model); else re-raises."""
+        if len(self._candidates) == 1:
+            raise
+        log.warning("the %s path of %r failed at M=%d; the runner leaves it out from now on",
+                    path, self.name, bucket, exc_info=True)
+        self._candidates = tuple(p for p in self._candidates if p != path)
+
+    def _capture_candidates(self, bucket: int, names) -> dict:
+        """``{path: (graph, static output)}`` for each of ``names`` at ``bucket``; empty (and eager
         launches from now on) once a capture fails."""
         graphs = {}
-        for name in self._candidates:
+        for name in names:
             captured = self._graphs.capture(bucket, name, lambda hook, name=name: self._forward(bucket, name, hook))
             if captured is None:
                 self.cuda_graphs = False

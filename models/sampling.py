@@ -74,6 +74,11 @@ class LayerRecords:
             self._fields[key] = fields
         return fields
 
+    def forget(self, bucket: int) -> None:
+        """Drop what was recorded for ``bucket`` (its choices changed: ``ModelRunner.retune``)."""
+        for key in [k for k in self._fields if k[2] == bucket]:
+            del self._fields[key]
+
     def timing(self, path: str, index: int, rows: int, bucket: int, seconds: float) -> LayerTiming:
         return LayerTiming(rows=rows, seconds=seconds, **self.fields(path, index, bucket))
 

@@ -193,6 +193,14 @@ def _timed_config(M: int, packed: PackedMLP, index: int, device: torch.device) -
     return None if tuned is None else dict(tuned)
 
 
+def chain_tuned(M: int, packed: PackedMLP, device) -> bool:
+    """Whether ``tune_chain`` has stored every layer's config for the batch bucket of ``M`` on this
+    GPU model (on the CPU nothing is timed: True)."""
+    device = torch.device(device)
+    return device.type != "cuda" or all(_timed_config(M, packed, i, device) is not None
+                                        for i in range(packed.num_layers))
+
+
 def _default_config(M: int, packed: PackedMLP, index: int, device: torch.device) -> dict:
     """``fused_mlp_config`` for layer ``index`` on ``device``."""
     return fused_mlp_config(M, packed.widths[index + 1], packed.weights.dtype, sm_count(device))

@@ -139,3 +139,18 @@ def test_time_configs_with_one_candidate_times_it_once():
 def test_time_configs_without_candidates_says_so():
     with pytest.raises(ValueError, match="no candidate configs"):
         tuning.time_configs([], lambda o: o, timer=fake_timer({}))
+
+
+def test_tuning_yields_between_candidates_and_a_raise_there_stops_it():
+    calls = []
+    with tuning.yielding(lambda: calls.append(len(calls))):
+        tuning.time_configs(["a", "b"], lambda o: o, timer=fake_timer({"a": 1.0, "b": 2.0}))
+    assert len(calls) == 2 + tuning._FINAL_ROUNDS, "after each first-round candidate and each final round"
+    tuning.time_configs(["a"], lambda o: o, timer=fake_timer({"a": 1.0}))
+    assert len(calls) == 2 + tuning._FINAL_ROUNDS, "outside the block nothing is called"
+
+    def stop():
+        raise KeyboardInterrupt("stand-in for the tuner's stop")
+
+    with tuning.yielding(stop), pytest.raises(KeyboardInterrupt):
+        tuning.time_configs(["a", "b"], lambda o: o, timer=fake_timer({"a": 1.0, "b": 2.0}))

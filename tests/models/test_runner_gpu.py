@@ -6,6 +6,7 @@ kernel per tile config, so its tests afford a few buckets (padding 3 rows to 4 i
 """
 
 import json
+import threading
 
 import pytest
 import torch
@@ -131,7 +132,7 @@ def test_layers_path_timings_name_the_tuned_kernels():
     ("bfloat16", None, 1, 5e-2),  # automatic: both paths timed, the faster kept
 ])
 def test_triton_backend_matches_torch_on_gpu(dtype, fused, max_batch, tol):
-    runner = ModelRunner(make_model("triton", dtype), max_batch_size=max_batch, fused=fused)
+    runner = ModelRunner(make_model("triton", dtype), max_batch_size=max_batch, fused=fused, provisional=False)
     reference = ModelRunner(make_model("torch", dtype), max_batch_size=max_batch)
     runner.warmup()
     reference.warmup()
@@ -171,7 +172,7 @@ def test_fused_warmup_chain_tunes_every_layer_and_timings_name_those_configs(tmp
     monkeypatch.setattr(fused_mlp, "device_cache", lambda name: cache)
     sink = ListSink()
     runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, timing_sink=sink,
-                         timing_sample_every=1, timing_min_interval_s=0, fused=True)
+                         timing_sample_every=1, timing_min_interval_s=0, fused=True, provisional=False)
     runner.warmup()
     packed = runner._paths["fused"].packed
     keys = {fused_mlp._tune_key(bucket, packed, i) for bucket in runner.buckets for i in (0, 1)}
@@ -200,3 +201,55 @@ def test_automatic_choice_leaves_out_a_path_that_fails(monkeypatch, caplog):
     x = torch.randn(1, IN)
     # fp32, TF32 off: only summation order differs.
     torch.testing.assert_close(runner.run(x), reference.run(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def empty_tune_cache(tmp_path, monkeypatch):
+    """An empty tune cache for every kernel family, and no provisional choice remembered."""
+    from fusedserve.kernels import choosing
+    from fusedserve.kernels.triton import fused_mlp
+    from fusedserve.kernels.tune_cache import TuneCache
+
+    cache = TuneCache(torch.cuda.get_device_name(), tmp_path)
+    for module in (choosing, fused_mlp):
+        monkeypatch.setattr(module, "device_cache", lambda name: cache)
+    monkeypatch.setattr(choosing, "_provisional", {})
+    return cache
+
+
+def test_cold_warmup_times_nothing_then_background_tuning_swaps_under_traffic(empty_tune_cache, monkeypatch):
+    from fusedserve.kernels import tuning
+    from fusedserve.models.background import BackgroundTuner
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("warm-up with an empty tune cache must not time candidates")
+
+    runner = ModelRunner(make_model("triton", "bfloat16"), max_batch_size=4)
+    reference = make_model("torch", "bfloat16")
+    with monkeypatch.context() as patch:
+        patch.setattr(tuning, "time_configs", no_timing)
+        runner.warmup()
+    assert runner.provisional_buckets() == runner.buckets and runner.startup_seconds["tune"] == 0
+    assert set(runner._graphs.plain) == set(runner.buckets), "provisional buckets are captured too"
+    wrong, answered, stop = [], [0], threading.Event()
+
+    def traffic():
+        g = torch.Generator().manual_seed(3)
+        while not stop.is_set():
+            x = torch.randn(int(torch.randint(1, 5, (1,), generator=g)), IN, generator=g)
+            want = reference(x.cuda()).float().cpu()
+            # bf16: outputs round to 8 mantissa bits at each of the 2 layers.
+            if not torch.allclose(runner.run(x), want, rtol=5e-2, atol=5e-2):
+                wrong.append(x.shape[0])
+            answered[0] += 1
+
+    client = threading.Thread(target=traffic)
+    client.start()
+    tuner = BackgroundTuner([runner], pause_s=0)
+    tuner.start()
+    tuner.join(240)
+    stop.set()
+    client.join(30)
+    assert not tuner.running and tuner.failed == [] and runner.provisional_buckets() == []
+    assert set(runner.choice_states.values()) == {"tuned"} and set(runner._graphs.plain) == set(runner.buckets)
+    assert wrong == [] and answered[0] > 0
