@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -38,6 +39,7 @@ def _load_runners(settings: Settings, sink: LayerSinks) -> list:
 
 
 async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
+    start = time.perf_counter()
     try:
         for runner in runners:
             seconds = await asyncio.to_thread(runner.warmup)
@@ -62,7 +64,12 @@ async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
         gc.collect()
         gc.freeze()
     state.serving = True
-    log.info("ready: %s", sorted(state.batchers))
+    log.info("ready after %.2f s of warm-up: %s", time.perf_counter() - start, sorted(state.batchers))
+    if settings.background_tuning and any(r.provisional_buckets() for r in runners):
+        from fusedserve.models.background import BackgroundTuner
+
+        state.tuner = BackgroundTuner(runners)
+        state.tuner.start()
 
 
 async def _start_grpc(app: FastAPI):
@@ -109,6 +116,8 @@ async def _lifespan(app: FastAPI):
         if not warm.done():
             warm.cancel()
         await asyncio.gather(warm, return_exceptions=True)
+        if state.tuner is not None:  # it stops at its next candidate
+            await asyncio.to_thread(state.tuner.stop)
         state.serving = False
         await asyncio.gather(*(b.stop() for b in state.batchers.values()))
 

@@ -8,6 +8,16 @@ import os
 from fusedserve.service.logs import FORMATS, configure
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _on_off(text: str) -> bool:
+    """A yes/no flag value: on/off, true/false, yes/no or 1/0."""
+    value = text.strip().lower()
+    if value not in ("on", "off", "true", "false", "yes", "no", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value in ("on", "true", "yes", "1")
+
+
 # Flag name -> Settings field; a flag left unset keeps the environment's (or the default) value.
 _FLAGS = {
     "--host": ("host", str, "interface to bind (default 127.0.0.1)"),
@@ -26,6 +36,8 @@ _FLAGS = {
                           "batches faster than this skip the worker thread (default: CPU 25, CUDA 1)"),
     "--torch-threads": ("torch_threads", int, "torch threads for CPU models (default 0: torch's own)"),
     "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
+    "--background-tuning": ("background_tuning", _on_off,
+                            "on/off: tune provisional kernel choices after ready (default on)"),
 }
 
 

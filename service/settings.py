@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(2.0, ge=0.0)
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
     gc_freeze: bool = True
+    # After ready, tune the buckets warmed on provisional kernel choices on a background thread and
+    # swap each result in between batches (models.background); off: they keep the provisional ones.
+    background_tuning: bool = True
 
     @field_validator("device")
     @classmethod

@@ -33,6 +33,7 @@ class ServiceState:
     models: dict[str, ModelInfo] = field(default_factory=dict)
     batchers: dict[str, Batcher] = field(default_factory=dict)
     runners: dict[str, Any] = field(default_factory=dict)  # models.ModelRunner per model
+    tuner: Any = None  # the models.background.BackgroundTuner once ready, where it runs
     serving: bool = False  # models loaded, warmed up, batchers running
     draining: bool = False  # SIGTERM seen: still answering, but readiness says no
     startup_error: str | None = None

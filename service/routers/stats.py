@@ -24,6 +24,13 @@ def _timing_policy(runner) -> dict:
                     "and at most one per min_interval_s"}
 
 
+def _choices(runner) -> dict:
+    """Per bucket whether its kernels run a provisional choice (not timed yet), a tuned one, or a
+    fixed one (nothing is timed there); and how warm-up's seconds split."""
+    return {"choices": {str(bucket): state for bucket, state in runner.choice_states.items()},
+            "startup_s": {phase: round(s, 3) for phase, s in runner.startup_seconds.items()}}
+
+
 @router.get("", summary="Per-layer kernel timings, batch sizes and queue waits")
 async def kernel_stats(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     state.collect_timings()
@@ -31,7 +38,8 @@ async def kernel_stats(state: Annotated[ServiceState, Depends(get_state)]) -> di
     snap["served"] = {
         name: {"in_features": m.in_features, "out_features": m.out_features, "dtype": m.dtype,
                "backend": m.backend, "device": m.device,
-               "layer_timings": _timing_policy(state.runners[name])}
+               "layer_timings": _timing_policy(state.runners[name]),
+               **_choices(state.runners[name])}
         for name, m in state.models.items()}
     return snap
 

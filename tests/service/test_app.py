@@ -118,7 +118,11 @@ async def test_kernel_stats_count_layers_and_reset(client):
         assert row["mean_s"] > 0 and row["p99_s"] >= row["p50_s"] > 0, row
         assert (row["N"], row["K"]) in ((7, 5), (4, 7)), row
     assert stats["models"]["wide"]["queue_wait"]["count"] == 3
-    assert stats["served"]["wide"] == {"in_features": 5, "out_features": 4, "dtype": "float32",
+    served = stats["served"]["wide"]
+    assert served.pop("choices") == {"1": "fixed", "2": "fixed", "4": "fixed", "8": "fixed"}, \
+        "the torch backend on the CPU times nothing"
+    assert sorted(served.pop("startup_s")) == ["capture", "compile", "path_choice", "tune"]
+    assert served == {"in_features": 5, "out_features": 4, "dtype": "float32",
                                        "backend": "torch", "device": "cpu",
                                        "layer_timings": {"sampled": True, "every_batch": False,
                                                          "method": "perf_counter", "sample_every": 1,
@@ -341,3 +345,24 @@ async def test_a_dead_batch_loop_fails_both_probes(client):
     for path in ("/v2/health/ready", "/v2/health/live"):
         r = await client.get(path)
         assert r.status_code == 503 and "batch loop stopped for ['tiny']" in r.json()["error"], (path, r.text)
+
+
+@pytest.mark.parametrize("background", [False, True])
+async def test_kernel_stats_say_which_buckets_are_provisional(settings, monkeypatch, background):
+    # As on a GPU with an empty tune cache: every bucket starts on provisional choices.
+    monkeypatch.setattr(models.paths.LayersPath, "tuned", lambda self, bucket: False)
+    app = create_app(settings.model_copy(update={"background_tuning": background}))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://test") as c:
+        await wait_ready(c)
+        want = "tuned" if background else "provisional"
+        for _ in range(500):  # background tuning of these tiny CPU models takes milliseconds
+            choices = (await c.get("/kernel-stats")).json()["served"]["tiny"]["choices"]
+            if set(choices.values()) == {want} or not background:
+                break
+            await asyncio.sleep(0.01)
+        assert choices == dict.fromkeys(("1", "2", "4", "8"), want)
+        r = await c.post("/infer", json={"model": "tiny", "inputs": ROWS})
+        np.testing.assert_allclose(r.json()["outputs"], reference(settings.model_repository, "tiny", ROWS),
+                                   rtol=RTOL, atol=ATOL)
+        assert (app.state.service.tuner is not None) == background

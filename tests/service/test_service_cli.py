@@ -73,3 +73,14 @@ def test_bad_flag_value_exits_with_usage_not_a_traceback():
                          text=True, timeout=60, check=False)
     assert out.returncode == 2, out.stderr
     assert "device must be auto, cpu, cuda or cuda:<index>" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_background_tuning_flag_and_environment(monkeypatch, capsys):
+    assert Settings().background_tuning is True
+    monkeypatch.setenv("FUSEDSERVE_BACKGROUND_TUNING", "0")
+    assert settings_from_args(parser().parse_args(["serve"])).background_tuning is False
+    assert settings_from_args(parser().parse_args(["serve", "--background-tuning", "on"])).background_tuning is True
+    assert parser().parse_args(["serve", "--background-tuning", "off"]).background_tuning is False
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--background-tuning", "maybe"])
+    assert "expected on or off" in capsys.readouterr().err
