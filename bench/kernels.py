@@ -4,12 +4,17 @@ Run on a CUDA GPU from the repository root:
 
     python bench/kernels.py --out DIR [--quick] [--ms 1,4,16 --dtypes float16,bfloat16 --tag TAG]
     python bench/kernels.py --out DIR --merge RUN.json ...   # no GPU: several runs into one (merge_runs)
+    python bench/kernels.py --out DIR --random 40 --seed 1 --budget-s 540   # shapes drawn at random
 
 Writes ``DIR/kernels_<tag>.json`` (tag ``h200`` by default; {"gpu", "date", "torch", "triton",
 "copy_tbps", "matmul_tflops", "complete", "rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops",
 "tbps", ...}]}; rewritten after every shape with "complete": false, so a killed run keeps its
 rows) and ``DIR/kernels_<tag>.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the
 matmul peak, both measured in the same run), and prints a table plus the targets of issue 3.
+Every run also times ``fusedserve_provisional`` (the choice a cold server starts on, before
+tuning) and writes "summary": ours against the better peer, provisional against tuned (issue 23).
+``--random N --seed S`` times N shapes drawn from S (``bench/kernel_random.py``) instead of the
+grid, tag ``<tag>_random<N>_s<S>``, with a plot of the ratios (``..._ratios.png``).
 
 Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
 replays of many calls that cycle over enough (x, W, b) sets that each call finds its weights out of
@@ -38,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from fusedserve.kernels import KERNELS, fused_linear, kernel_choice, run_kernel, tune_cache  # noqa: E402  (sys.path)
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.precision import dot_precision  # noqa: E402
+from bench.kernel_random import (describe_provisional, draw_shapes, peer_summary, plot_ratios, print_summaries,  # noqa: E402
+                                 provisional_linear, provisional_summary)
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
@@ -78,6 +85,8 @@ def fixed_impls():
         "fusedserve_static_weight": lambda x, w, b: fused_linear(x, w, b, "relu", static_weight=True),
         "torch_unfused": relu_linear,
         "cublaslt_fused": lambda x, w, b: torch._addmm_activation(b, x, w.t()),
+        # The choice a cold server starts on, before tuning (kernels/provisional.py).
+        "fusedserve_provisional": provisional_linear,
     }
 
 
@@ -199,6 +208,8 @@ def bench_shape(M, N, K, dtype, impls, repeats):
         if impl in OURS:
             extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda",
                                                              static_weight=impl == "fusedserve_static_weight")
+        elif impl == "fusedserve_provisional":
+            extra["kernel"], extra["config"] = describe_provisional(*sets[0][:2])
         if dtype == torch.float32 and impl.startswith("fusedserve"):
             extra["fp32_precision"] = dot_precision(dtype)  # "tf32x3", "ieee" or (torch allowing) "tf32"
         rows.append(row(M, N, K, dtype, impl, us, **extra))
@@ -433,6 +444,10 @@ def main():
                         help="full plan at these NxK only (comma-separated, e.g. 8192x8192,1024x1024)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (saves its compile time)")
     parser.add_argument("--tag", default="h200", help="file name suffix: kernels_<tag>.json/.png")
+    parser.add_argument("--random", type=int, default=None, metavar="N",
+                        help="N shapes drawn at random (M 1-8192, N and K multiples of 8 in 256-16384, "
+                             "bf16/fp16) instead of the grid; no per-family rows, no torch.compile")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random's shapes")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="no GPU needed: merge these runs' JSON (oldest first; see merge_runs) into "
                              "OUT/kernels_<tag>.json and its plot, and print the table and the targets")
@@ -447,6 +462,7 @@ def main():
              merged["gpu"])
         print_table(merged["rows"])
         print_targets(merged["rows"])
+        print_summaries(log, summaries(merged["rows"]))
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
@@ -462,13 +478,17 @@ def main():
     log(f"{gpu}: copy {copy_tbps:.2f} TB/s, bf16 matmul {peak:.0f} TFLOP/s")
     compile_cache = CompileCache(args.quick)
     rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
+    if args.random:
+        shapes, args.tag, args.no_compile = draw_shapes(args.random, args.seed), f"{args.tag}_random{args.random}_s" \
+            f"{args.seed}", True
     path = args.out / f"kernels_{args.tag}.json"
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
     def write(complete):  # after every shape too, so a run killed by its caller keeps what it measured
         result = dict(gpu=gpu, tune_cache=os.environ[tune_cache.ENV_VAR], date=date,
                       torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
-                      complete=complete, copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows)
+                      complete=complete, copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows,
+                      random=dict(n=args.random, seed=args.seed) if args.random else None, summary=summaries(rows))
         path.write_text(json.dumps(result, indent=1))
 
     for i, (M, N, K, dtype) in enumerate(shapes, 1):
@@ -476,7 +496,7 @@ def main():
             log(f"time budget of {budget:.0f} s spent: stopping before shape {i}/{len(shapes)}")
             truncated = True
             break
-        forced = dtype != torch.float32 and (not args.quick or (N, K) == (4096, 4096))
+        forced = dtype != torch.float32 and not args.random and (not args.quick or (N, K) == (4096, 4096))
         compiled = None if args.no_compile else compile_cache.get(M, N, K, dtype)
         impls = impls_for(M, N, K, dtype, compiled, forced)
         new = bench_shape(M, N, K, dtype, impls, repeats)
@@ -489,8 +509,17 @@ def main():
     write(complete=True)
     log(f"wrote {path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
     plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png", gpu)
+    plot_ratios(rows, args.out / f"kernels_{args.tag}_ratios.png", gpu, log)
     print_table(rows)
     print_targets(rows)
+    print_summaries(log, summaries(rows))
+
+
+def summaries(rows):
+    """Issue 23's comparisons of a run's rows (None where it has no such rows)."""
+    return {"ours_vs_better_peer": peer_summary(rows, "fusedserve_static_weight"),
+            "ours_unmarked_vs_better_peer": peer_summary(rows, "fusedserve"),
+            "provisional_vs_tuned": provisional_summary(rows)}
 
 
 if __name__ == "__main__":

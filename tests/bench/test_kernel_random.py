@@ -1,0 +1,37 @@
+"""bench/kernel_random.py: the seeded random shapes of ``kernels.py --random`` and the summaries."""
+
+import torch
+
+from bench.kernel_random import draw_shapes, peer_summary, provisional_summary
+
+
+def test_random_shapes_are_seeded_in_range_and_multiples_of_8():
+    shapes = draw_shapes(400, seed=7)
+    assert shapes == draw_shapes(400, seed=7), "the same seed draws the same shapes"
+    assert shapes[:20] != draw_shapes(20, seed=8), "another seed draws other shapes"
+    for M, N, K, dtype in shapes:
+        assert 1 <= M <= 8192 and 256 <= N <= 16384 and 256 <= K <= 16384, (M, N, K)
+        assert N % 8 == 0 and K % 8 == 0, (M, N, K)
+        assert dtype in (torch.bfloat16, torch.float16)
+    ms = [s[0] for s in shapes]
+    # Log-uniform M: both ends of the range are drawn, not only the middle.
+    assert min(ms) <= 4 and max(ms) >= 4096 and sum(m <= 64 for m in ms) > 100, sorted(ms)[:5]
+    assert {s[3] for s in shapes} == {torch.bfloat16, torch.float16}
+
+
+def _rows(shape, **us):
+    M, N, K, dtype = shape
+    return [dict(M=M, N=N, K=K, dtype=dtype, impl=impl, median_us=t) for impl, t in us.items()]
+
+
+def test_summaries_name_the_shapes_that_miss():
+    a, b = (3000, 3072, 3072, "bfloat16"), (16, 4096, 4096, "float16")
+    rows = (_rows(a, fusedserve_static_weight=10.0, torch_unfused=8.0, cublaslt_fused=7.4, fusedserve_provisional=11.0)
+            + _rows(b, fusedserve_static_weight=10.0, torch_unfused=14.0, cublaslt_fused=13.0,
+                    fusedserve_provisional=10.2))
+    peers = peer_summary(rows)
+    assert (peers["min"], peers["median"], peers["shapes"]) == (0.74, 1.02, 2)
+    assert peers["losing"] == [dict(M=3000, N=3072, K=3072, dtype="bfloat16", ratio=0.74)] and not peers["met"]
+    versus = provisional_summary(rows)
+    assert versus["max"] == 1.1 and [r["M"] for r in versus["slower"]] == [3000] and not versus["met"]
+    assert peer_summary([r for r in rows if r["impl"] != "torch_unfused" and r["impl"] != "cublaslt_fused"]) is None
