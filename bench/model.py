@@ -5,6 +5,11 @@ Run on a CUDA GPU from the repository root:
 
     python bench/model.py [--out bench/results] [--quick]
     python bench/model.py --replot bench/results/model_h200.json   # redraw the PNG only (any machine)
+    python bench/model.py --contract [--quick] [--budget-s 500]   # the serving contract instead
+
+``--contract`` times what the service calls, host rows in and out, against a torch CUDA graph with
+pinned staging (``bench/model_contract.py``, ``OUT/model_contract_<tag>.json``); the rest of this
+file measures the device-only side, the input already on the GPU.
 
 Writes ``OUT/model_<tag>.json`` ({"gpu", "date", "rows": [{"model", "batch", "impl", "median_us",
 ...}], "failures", "timing_overhead", the torch/triton versions and the method}; rewritten after
@@ -449,6 +454,9 @@ def main():
                         help=f"fewer repeats; torch.compile only at {QUICK_COMPILE}")
     parser.add_argument("--tag", default="h200", help="file name suffix: model_<tag>.json/.png")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    parser.add_argument("--contract", action="store_true",
+                        help="time the serving contract instead (host rows in and out; bench/model_contract.py)")
+    parser.add_argument("--budget-s", type=float, default=500, help="--contract: start no new model after this")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # child mode: model:batch:impl,...
     parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--replot", type=Path, metavar="JSON",
@@ -460,6 +468,11 @@ def main():
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench/model.py needs a CUDA GPU")
+    if args.contract:
+        from bench.model_contract import run
+
+        run(args.out, args.tag, args.quick, args.budget_s)
+        return
     if args.worker:
         items = [(n, int(b), i) for n, b, i in (s.split(":") for s in args.worker.split(","))]
         worker(items, args.repeats)

@@ -1,0 +1,235 @@
+"""The serving contract, timed: ``ModelRunner.run`` as the service calls it (float32 rows on the
+host in, float32 rows on the host out) against the best torch runtime for the same contract, a
+CUDA graph of the same model with pinned staging buffers and the casts inside the graph.
+
+Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs the same):
+
+    python bench/model_contract.py [--out bench/results] [--tag h200] [--budget-s 500] [--quick]
+
+Writes ``OUT/model_contract_<tag>.json`` ({"gpu", "date", "method", "complete", "rows": [{"model",
+"dtype", "widths", "batch", "fusedserve_us", "torch_graph_us", "ratio", "path", "mismatch"?}],
+"summary"}; rewritten after every row) and ``OUT/model_contract_<tag>.png``, and prints the
+targets of issue 23 (ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where
+launch-bound).
+
+Peer, per batch size (exact, no padding): the torch-backend ``MLP`` (the same weights and input
+normalization) captured once in a CUDA graph as ``static_out = model(static_in).float()``; a call
+copies the rows into a pinned buffer, then host-to-device without blocking, replays, copies the
+output device-to-host into a pinned buffer, synchronizes and returns a copy of it (the staging
+buffer is the next call's). fusedserve: a runner per model (``max_batch_size`` the largest batch;
+each measured bucket tuned before it is timed, as a server's are once background tuning is done;
+tune cache in ``OUT/tune_cache`` unless ``FUSEDSERVE_TUNE_CACHE`` says otherwise),
+``runner.run(rows)``. Timing: the two are called alternately, ``calls`` times each, wall clock per
+call (``time.perf_counter``); the median of each. Host-side work counts, as in serving.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from fusedserve.kernels import tune_cache  # noqa: E402
+from fusedserve.kernels.device import gc_paused  # noqa: E402
+from fusedserve.kernels.rules import bucket as bucket_of  # noqa: E402
+from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model  # noqa: E402
+
+# (name, in, hidden, out, dtype): issue 23's two models, the shipped digits, and other widths and
+# depths in each dtype.
+MODELS = (
+    ("digits", None, None, None, "float32"),
+    ("m256_3x1024_128_bf16", 256, (1024, 1024, 1024), 128, "bfloat16"),
+    ("m512_2x2048_512_fp16", 512, (2048, 2048), 512, "float16"),
+    ("m4x2048_bf16", 2048, (2048, 2048, 2048), 2048, "bfloat16"),
+    ("m64_8x256_10_fp16", 64, (256,) * 8, 10, "float16"),
+    ("m1024_2x1024_64_fp32", 1024, (1024, 1024), 64, "float32"),
+)
+BATCHES = (1, 8, 24, 64, 200, 700)
+QUICK_BATCHES = (1, 24, 200)
+CALLS, QUICK_CALLS = 2000, 300
+# Where the model is launch-bound (issue 23 wants >= 1.3x there): its torch graph replay, device
+# only, takes under this many microseconds per layer.
+LAUNCH_BOUND_US_PER_LAYER = 8.0
+CHECK_RTOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
+METHOD = ("host float32 rows in and out; fusedserve ModelRunner.run vs a torch CUDA graph of the same model "
+          "(pinned staging, casts inside the graph), called alternately; median wall-clock us per call")
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def build(spec):
+    """(triton-backend model, torch-backend model) with equal weights, on CUDA."""
+    name, fan_in, hidden, out, dtype = spec
+    if name == "digits":
+        return (load_model(DEFAULT_REPOSITORY / "digits", device="cuda", backend="triton"),
+                load_model(DEFAULT_REPOSITORY / "digits", device="cuda", backend="torch"))
+    torch.manual_seed(fan_in + len(hidden))
+    config = MLPConfig(fan_in, hidden, out, dtype=dtype)
+    reference = MLP(config, backend="torch", device="cuda", name=name)
+    fused = MLP(config, backend="triton", device="cuda", name=name)
+    fused.load_state_dict(reference.state_dict())
+    return fused.eval().requires_grad_(False), reference.eval().requires_grad_(False)
+
+
+class TorchGraphContract:
+    """The torch peer of one batch size: pinned staging, casts and model inside one CUDA graph."""
+
+    def __init__(self, model: MLP, batch: int):
+        self.host_in = torch.empty(batch, model.config.in_features, pin_memory=True)
+        self.host_out = torch.empty(batch, model.config.out_features, pin_memory=True)
+        self.static_in = torch.zeros(batch, model.config.in_features, device="cuda")
+        side = torch.cuda.Stream()  # warm on a side stream first (cuBLAS picks its kernels)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(3):
+                model(self.static_in).float()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), gc_paused(), torch.cuda.graph(self.graph):
+            self.static_out = model(self.static_in).float()  # [batch, out] float32, the cast inside
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.host_in.copy_(x)
+        self.static_in.copy_(self.host_in, non_blocking=True)
+        self.graph.replay()
+        self.host_out.copy_(self.static_out, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return self.host_out.clone()
+
+    def device_us(self, replays: int = 200) -> float:
+        """Microseconds per replay, device only (to tell a launch-bound model)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / replays
+
+
+def alternate(a, b, x, calls: int) -> tuple[float, float]:
+    """Median wall-clock microseconds per call of ``a(x)`` and ``b(x)``, called alternately."""
+    for _ in range(20):
+        a(x), b(x)
+    times_a, times_b = [], []
+    for _ in range(calls):
+        start = time.perf_counter()
+        a(x)
+        mid = time.perf_counter()
+        b(x)
+        times_a.append(mid - start)
+        times_b.append(time.perf_counter() - mid)
+    return statistics.median(times_a) * 1e6, statistics.median(times_b) * 1e6
+
+
+def measure_model(spec, batches, calls: int, emit) -> None:
+    """Every batch of one model: check both against each other, time them, ``emit`` a row each."""
+    fused, reference = build(spec)
+    # provisional=False: the first batch of each bucket tunes it (only the buckets measured here).
+    runner = ModelRunner(fused, max_batch_size=max(batches), provisional=False)
+    dtype, layers = fused.config.dtype, len(fused.layers)
+    for batch in batches:
+        peer = TorchGraphContract(reference, batch)
+        torch.manual_seed(batch)
+        x = 4 * torch.rand(batch, fused.config.in_features)
+        got, want = runner.run(x), peer(x)
+        err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+        ours_us, torch_us = alternate(runner.run, peer, x, calls)
+        device_us = peer.device_us()
+        row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch,
+                   fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
+                   ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(device_us, 2),
+                   launch_bound=device_us / layers < LAUNCH_BOUND_US_PER_LAYER,
+                   path=runner.path(bucket_of(batch, runner.max_batch_size)))
+        if not err <= CHECK_RTOL[dtype]:
+            row["mismatch"] = f"max relative error {err:.3g} > {CHECK_RTOL[dtype]}"
+        emit(row)
+        log(f"  {spec[0]:22s} batch {batch:4d}: fusedserve {ours_us:8.1f} us, torch graph {torch_us:8.1f} us "
+            f"({torch_us / ours_us:.2f}x){' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
+        del peer
+    del runner, fused, reference
+    torch.cuda.empty_cache()
+
+
+def summary(rows) -> dict:
+    """Issue 23's targets: ratio >= 1.0 at every row, >= 1.3 at launch-bound rows."""
+    misses = [r for r in rows if r["ratio"] < (1.3 if r["launch_bound"] else 1.0)]
+    ratios = [r["ratio"] for r in rows]
+    return dict(rows=len(rows), min_ratio=min(ratios, default=None),
+                median_ratio=statistics.median(ratios) if ratios else None, met=not misses and bool(rows),
+                misses=[f"{r['model']} batch={r['batch']}: {r['ratio']:.2f}x (want "
+                        f"{1.3 if r['launch_bound'] else 1.0}x)" for r in misses])
+
+
+def plot(rows, path, gpu):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(r["model"] for r in rows):
+        points = sorted((r["batch"], r["ratio"]) for r in rows if r["model"] == name)
+        ax.plot(*zip(*points), marker="o", label=name)
+    ax.axhline(1.0, color="k", ls="--")
+    ax.set(xscale="log", xlabel="batch (rows)", ylabel="torch graph us / fusedserve us",
+           title=f"{gpu}: host rows in and out (higher is better for fusedserve)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(out: Path, tag: str, quick: bool, budget_s: float) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault(tune_cache.ENV_VAR, str(out / "tune_cache"))  # read when the first bucket tunes
+    path = out / f"model_contract_{tag}.json"
+    data = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                torch=torch.__version__, triton=__import__("triton").__version__, quick=quick,
+                method=METHOD, complete=False, rows=[], skipped=[])
+
+    def emit(row):
+        data["rows"].append(row)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+
+    started = time.perf_counter()
+    for spec in MODELS:
+        if time.perf_counter() - started > budget_s:
+            data["skipped"].append(spec[0])
+            log(f"budget of {budget_s:.0f} s spent: {spec[0]} not measured")
+            continue
+        measure_model(spec, QUICK_BATCHES if quick else BATCHES, QUICK_CALLS if quick else CALLS, emit)
+    data["complete"], data["summary"] = not data["skipped"], summary(data["rows"])
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    plot(data["rows"], path.with_suffix(".png"), data["gpu"])
+    s = data["summary"]
+    log(f"\nserving contract: min {s['min_ratio']}x, median {s['median_ratio']}x over {s['rows']} rows: "
+        + ("MET" if s["met"] else f"{len(s['misses'])} MISSED"))
+    for miss in s["misses"]:
+        log(f"  {miss}")
+    log(f"wrote {path} and its .png in {time.perf_counter() - started:.0f} s")
+    return data
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, {QUICK_CALLS} calls each")
+    parser.add_argument("--budget-s", type=float, default=500, help="start no new model after this many seconds")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/model_contract.py needs a CUDA GPU")
+    run(args.out, args.tag, args.quick, args.budget_s)
+
+
+if __name__ == "__main__":
+    main()
