@@ -11,6 +11,12 @@
 # smoke: a few minutes of GPU tests across every kernel family and the runner, after a refactor.
 # tests-gluon-small, tests-gluon-ws, tests-tma: one family's GPU tests.
 # e2e: a real server on the GPU answers POST /infer; its answers must match the CPU model.
+# start-up: time-to-ready of `fusedserve serve` with an empty tune cache, Triton's cache empty then
+#   warm, for the shipped repository and digits + a 4x2048 bf16 model at --max-batch-size 256
+#   (bench/startup.py; startup_h200.json). start-up-tuning: then background tuning under traffic
+#   (answers checked, p99 while tuning vs after; startup_h200_tuning.json).
+# kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked).
+# model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_h200_$KERNELS_TAG.json.
@@ -161,6 +167,13 @@ for s in "${stages[@]}"; do
             --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" --tag h200_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
         model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
+        start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --out "$out" ;;
+        start-up-tuning) stage start-up-tuning 580 python3 bench/startup.py --tuning --ready-timeout-s 120 \
+            --tuning-timeout-s 360 --out "$out" ;;
+        kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
+            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" --out "$out" ;;
+        model-contract) stage model-contract 590 python3 bench/model.py --contract --budget-s "${CONTRACT_BUDGET_S:-420}" \
+            ${CONTRACT_QUICK:+--quick} --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag h200_quick --out "$out" ;;
         kernels-at) stage kernels-at $((${KERNELS_BUDGET_S:-270} + 60)) python3 bench/kernels.py --quick --no-compile \
             --budget-s "${KERNELS_BUDGET_S:-270}" \

@@ -1,0 +1,259 @@
+"""Time-to-ready of ``fusedserve serve`` on a cold machine, and background tuning under traffic.
+
+Run on the GPU host from the repository root (``bench/gpu_check.sh start-up`` and
+``start-up-tuning`` run these):
+
+    python bench/startup.py --out DIR                 # ready times, four scenarios
+    python bench/startup.py --out DIR --tuning        # one scenario, then background tuning under traffic
+
+Scenarios (``ready``): the shipped repository (default ``--max-batch-size``) and a repository of the
+shipped digits plus a 4x2048 bf16 MLP (``--max-batch-size 256``), each started twice with an empty
+tune cache: first with an empty Triton cache too (``TRITON_CACHE_DIR`` a fresh directory: a fresh
+machine), then with the Triton cache that first start left (an image that ships its compiled
+kernels). Ready = ``GET /v2/health/ready`` answers 200, timed from the server's process start.
+Each row also has the server's own split per model (``/kernel-stats`` ``served[model].startup_s``:
+compile, tune, capture, path choice) and its bucket states. Targets (issue 23): ready within 20 s
+with both caches empty, within 10 s with the tune cache empty.
+
+``--tuning``: the 4x2048 repository with a warm Triton cache and an empty tune cache; once ready, a
+client sends one request at a time (1, 3, 17 or 64 rows, cycling) while background tuning runs, until
+``/kernel-stats`` shows no provisional bucket, and ``--after-s`` more. Reports how long tuning took,
+every answer's correctness against the torch model on the CPU, and the p99 latency while tuning
+against the p99 after (target: at most 2x).
+
+Writes ``DIR/startup_<tag>.json``, rewritten after every scenario.
+"""
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, load_model, save_model  # noqa: E402
+
+READY_TARGET_S = {"empty": 20.0, "warm": 10.0}  # by Triton cache state; the tune cache is empty in every run
+BIG = ("mlp4x2048", 2048, "bfloat16")
+BIG_MAX_BATCH = 256
+TRAFFIC_ROWS = (1, 3, 17, 64)
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def big_repository(root: Path) -> Path:
+    """The shipped digits plus a 4x2048 bf16 MLP with seeded weights."""
+    repo = root / "repo_4x2048"
+    if not repo.exists():
+        save_model(load_model(DEFAULT_REPOSITORY / "digits", device="cpu", backend="torch"), repo / "digits")
+        name, width, dtype = BIG
+        torch.manual_seed(width)
+        save_model(MLP(MLPConfig(width, (width,) * 3, width, dtype=dtype), name=name), repo / name)
+    return repo
+
+
+class Server:
+    """``python -m fusedserve serve`` on CUDA, HTTP only, with its own caches and log file."""
+
+    def __init__(self, repo: Path, max_batch: int | None, port: int, env: dict, log_path: Path, device="cuda"):
+        argv = [sys.executable, "-m", "fusedserve", "serve", "--device", device, "--port", str(port),
+                "--grpc-port", "0", "--model-repository", str(repo)]
+        if max_batch:
+            argv += ["--max-batch-size", str(max_batch)]
+        self.port, self.log_path = port, log_path
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=open(log_path, "w"),
+                                     stderr=subprocess.STDOUT)
+
+    def get(self, path: str):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def wait_ready(self, timeout_s: float) -> float | None:
+        """Seconds from the process start to the first 200 on the readiness probe; None if never."""
+        while time.perf_counter() - self.started < timeout_s and self.proc.poll() is None:
+            try:
+                if self.get("/v2/health/ready")[0] == 200:
+                    return time.perf_counter() - self.started
+            except OSError:
+                pass
+            time.sleep(0.05)
+        return None
+
+    def served(self) -> dict:
+        return json.loads(self.get("/kernel-stats")[1])["served"]
+
+    def stop(self) -> list[str]:
+        """Stop it (SIGTERM, then SIGKILL after 30 s); the last lines of its log."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.log_path.read_text(errors="replace").splitlines()[-40:]
+
+
+def startup_lines(lines: list[str]) -> list[str]:
+    """The server's own start-up and tuning lines from its log."""
+    keys = ("start-up ", "ready after", "background tuning")
+    return [line for line in lines if any(k in line for k in keys)]
+
+
+def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args) -> dict:
+    """Start a server with an empty tune cache and ``triton_dir`` as Triton's cache; time it to ready."""
+    triton_state = "warm" if triton_dir.exists() and any(triton_dir.iterdir()) else "empty"
+    tune_dir = Path(tempfile.mkdtemp(prefix="tune-", dir=work))
+    env = {"TRITON_CACHE_DIR": str(triton_dir), "FUSEDSERVE_TUNE_CACHE": str(tune_dir),
+           "FUSEDSERVE_BACKGROUND_TUNING": "off"}
+    server = Server(repo, max_batch, args.port, env, work / f"{name}_{triton_state}.log", args.device)
+    ready_s = server.wait_ready(args.ready_timeout_s)
+    served = {}
+    if ready_s is not None:
+        served = {model: {"startup_s": info.get("startup_s"), "choices": info.get("choices")}
+                  for model, info in server.served().items()}
+    lines = server.stop()
+    target = READY_TARGET_S[triton_state]
+    row = dict(scenario=name, triton_cache=triton_state, tune_cache="empty", max_batch_size=max_batch,
+               ready_s=None if ready_s is None else round(ready_s, 2), target_s=target,
+               met=ready_s is not None and ready_s <= target, served=served, log=startup_lines(lines))
+    if ready_s is None:
+        row["log_tail"] = lines
+    log(f"{name}: Triton cache {triton_state}, tune cache empty: ready "
+        f"{'never' if ready_s is None else f'in {ready_s:.1f} s'} (target {target:.0f} s)")
+    for model, info in served.items():
+        log(f"  {model}: {info['startup_s']}")
+    return row
+
+
+def _infer_body(model: str, in_features: int, rows: int, g: torch.Generator) -> tuple[bytes, torch.Tensor]:
+    x = (4 * torch.rand(rows, in_features, generator=g)).round(decimals=3)
+    return json.dumps({"model": model, "inputs": x.tolist()}).encode(), x
+
+
+def traffic(port, model: str, reference, stop: threading.Event, samples: list, wrong: list) -> None:
+    """One request at a time on a keep-alive connection; (time, seconds, rows) per answer."""
+    g = torch.Generator().manual_seed(0)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    i = 0
+    while not stop.is_set():
+        rows = TRAFFIC_ROWS[i % len(TRAFFIC_ROWS)]
+        i += 1
+        body, x = _infer_body(model, reference.config.in_features, rows, g)
+        start = time.perf_counter()
+        conn.request("POST", "/infer", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        payload = response.read()
+        samples.append((start, time.perf_counter() - start, rows))
+        if response.status != 200:
+            wrong.append(f"status {response.status}: {payload[:200]!r}")
+            continue
+        got = torch.tensor(json.loads(payload)["outputs"])
+        with torch.no_grad():
+            want = reference(x).float()
+        if not torch.allclose(got, want, rtol=6e-2, atol=6e-2 * want.abs().max().item()):  # bf16 layers
+            wrong.append(f"{rows} rows: max diff {(got - want).abs().max().item():.3g}")
+    conn.close()
+
+
+def p99(values) -> float | None:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 20 else None
+
+
+def tuning_scenario(repo, triton_dir: Path, work: Path, args) -> dict:
+    """Background tuning of the 4x2048 repository under traffic: duration, answers, p99 during vs after."""
+    env = {"TRITON_CACHE_DIR": str(triton_dir), "FUSEDSERVE_TUNE_CACHE": str(Path(tempfile.mkdtemp(dir=work)))}
+    server = Server(repo, BIG_MAX_BATCH, args.port, env, work / "tuning.log", args.device)
+    ready_s = server.wait_ready(args.ready_timeout_s)
+    row = dict(scenario="background_tuning", ready_s=ready_s and round(ready_s, 2), max_batch_size=BIG_MAX_BATCH)
+    if ready_s is None:
+        row["log_tail"] = server.stop()
+        return row
+    reference = load_model(repo / BIG[0], device="cpu", backend="torch")
+    samples, wrong, stop = [], [], threading.Event()
+    client = threading.Thread(target=traffic, args=(args.port, BIG[0], reference, stop, samples, wrong), daemon=True)
+    client.start()
+    t0, tuned_at = time.perf_counter(), None
+    while time.perf_counter() - t0 < args.tuning_timeout_s:
+        choices = [s for info in server.served().values() for s in info["choices"].values()]
+        if "provisional" not in choices:
+            tuned_at = time.perf_counter()
+            break
+        time.sleep(0.5)
+    time.sleep(args.after_s)
+    stop.set()
+    client.join(60)
+    during = [s for t, s, _ in samples if tuned_at is None or t < tuned_at]
+    after = [s for t, s, _ in samples if tuned_at is not None and t >= tuned_at]
+    row.update(tuned_s=None if tuned_at is None else round(tuned_at - t0, 1), requests=len(samples),
+               wrong=wrong[:20], wrong_count=len(wrong),
+               p99_ms_during=p99(during) and round(p99(during) * 1e3, 2),
+               p99_ms_after=p99(after) and round(p99(after) * 1e3, 2),
+               served={m: info["choices"] for m, info in server.served().items()})
+    row["p99_ratio"] = (round(row["p99_ms_during"] / row["p99_ms_after"], 2)
+                        if row["p99_ms_during"] and row["p99_ms_after"] else None)
+    row["met"] = bool(tuned_at and not wrong and row["p99_ratio"] is not None and row["p99_ratio"] <= 2.0)
+    row["log"] = startup_lines(server.stop())
+    log(f"background tuning: {'done in ' + str(row['tuned_s']) + ' s' if tuned_at else 'not done'}, "
+        f"{len(samples)} requests, {len(wrong)} wrong, p99 {row['p99_ms_during']} ms while tuning vs "
+        f"{row['p99_ms_after']} ms after ({row['p99_ratio']}x, target <= 2x)")
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--port", type=int, default=18100)
+    parser.add_argument("--ready-timeout-s", type=float, default=150)
+    parser.add_argument("--tuning", action="store_true", help="background tuning under traffic instead")
+    parser.add_argument("--tuning-timeout-s", type=float, default=300)
+    parser.add_argument("--after-s", type=float, default=15, help="--tuning: traffic this long once tuned")
+    parser.add_argument("--only", choices=("shipped", "4x2048"), help="one repository of the ready scenarios")
+    parser.add_argument("--device", default="cuda", help="the servers' --device (cpu: a dry run of the mechanics)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="fusedserve-startup-"))
+    big = big_repository(work)
+    path = args.out / f"startup_{args.tag}{'_tuning' if args.tuning else ''}.json"
+    data = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), torch=torch.__version__,
+                method="server process start to the first 200 on /v2/health/ready; tune cache empty in every "
+                       "run; Triton cache empty (fresh TRITON_CACHE_DIR) or warm (the one the empty run left)",
+                rows=[])
+    if args.tuning:
+        triton_dir = work / "triton_big"
+        ready_scenario("4x2048_prefill", big, BIG_MAX_BATCH, triton_dir, work, args)  # fills the Triton cache
+        data["rows"].append(tuning_scenario(big, triton_dir, work, args))
+    else:
+        plan = [("shipped", DEFAULT_REPOSITORY, None), ("4x2048", big, BIG_MAX_BATCH)]
+        for name, repo, max_batch in plan:
+            if args.only and args.only != name:
+                continue
+            triton_dir = work / f"triton_{name}"
+            for _ in ("empty", "warm"):  # the first start fills the Triton cache the second one reads
+                data["rows"].append(ready_scenario(name, repo, max_batch, triton_dir, work, args))
+                path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
