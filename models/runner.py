@@ -317,11 +317,12 @@ class ModelRunner:
         timed (tune mode) on a copy of the input rows, on a stream of its own; their graphs are
         captured into a memory pool of their own (the graphs serving replays meanwhile keep theirs),
         the faster path is kept, and its graph pair replaces the bucket's under the runner's lock."""
-        x = self._staging.input[:bucket].clone()  # serving keeps writing the input buffer meanwhile
         on_cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if on_cuda else None
         with provisional.choosing_mode("tune"), torch.no_grad(), \
                 (torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext()):
+            # A copy, made on this stream: serving keeps writing the input buffer meanwhile.
+            x = self._staging.input[:bucket].clone()
             for name in self._candidates:
                 self._paths[name].tune(x)
                 self._paths[name].forward(x)
