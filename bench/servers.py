@@ -8,6 +8,7 @@ process tree (uvicorn's and LitServe's worker processes included).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -33,6 +34,9 @@ class ServerSpec:
     # Frozen (SIGSTOP) between its own runs: for a server whose idle loops poll, so that it takes no
     # CPU from the one being measured (LitServe idles at ~0.14 of a core on the 2-core box).
     pause_when_idle: bool = False
+    # A JSON path polled after ready until no served model has a "provisional" bucket (fusedserve's
+    # /kernel-stats): a load run measures the tuned server, not its background tuning.
+    settled_path: str | None = None
 
 
 def fusedserve_spec(name: str, extra_flags: list[str]) -> ServerSpec:
@@ -40,7 +44,7 @@ def fusedserve_spec(name: str, extra_flags: list[str]) -> ServerSpec:
     two servers must not both take gRPC's 8001."""
     return ServerSpec(name, ("{python}", "-m", "fusedserve", "serve", "--port", "{port}", "--device", "{device}",
                              "--model-repository", "{repo}", "--grpc-port", "0", "--log-level", "warning",
-                             *extra_flags))
+                             *extra_flags), settled_path="/kernel-stats")
 
 
 def naive_spec(workers: int) -> ServerSpec:
@@ -73,6 +77,12 @@ def parse_server(text: str) -> ServerSpec:
     if not sep or not name or not command.strip():
         raise ValueError(f"--server wants NAME=COMMAND, got {text!r}")
     return ServerSpec(name.strip(), tuple(shlex.split(command)))
+
+
+def settled(kernel_stats: dict) -> bool:
+    """Whether no served model of a fusedserve /kernel-stats answer still has a provisional bucket."""
+    return all("provisional" not in info.get("choices", {}).values()
+               for info in kernel_stats.get("served", {}).values())
 
 
 def available(spec: ServerSpec) -> bool:
@@ -140,18 +150,27 @@ class ServerProcess:
         self._paused: list[int] = []
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until the ready path answers 200, then (``settled_path``) until background tuning is done."""
         end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(self.url + self.spec.ready_path, timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+        while not self._poll(self.spec.ready_path, end, lambda r: True):
             time.sleep(0.2)
-        raise RuntimeError(f"{self.spec.name} not ready after {timeout_s} s:\n{self.log.read_text()[-4000:]}")
+        if self.spec.settled_path:
+            while not self._poll(self.spec.settled_path, end, settled):
+                time.sleep(0.5)
+
+    def _poll(self, path: str, end: float, done) -> bool:
+        """Whether ``path`` answered 200 and ``done(its JSON or None)``; raises once the server exited
+        or ``end`` (monotonic) passed."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.spec.name} exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+        if time.monotonic() > end:
+            raise RuntimeError(f"{self.spec.name} not ready (or still tuning: {path}) in time:\n"
+                               f"{self.log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                return r.status == 200 and done(json.loads(r.read()) if path == self.spec.settled_path else None)
+        except OSError:
+            return False
 
     def cpu_seconds(self, procs: dict[int, tuple[int, int]] | None = None) -> float:
         """CPU time so far of the server's whole process tree (a snapshot of /proc may be passed)."""

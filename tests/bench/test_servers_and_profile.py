@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from bench.load_profile import area, parse_stacks, summarize_stacks, thread_split, thread_ticks
-from bench.servers import ServerProcess, ServerSpec, default_servers, parse_server, read_procs, stat_fields, tree
+from bench.servers import (ServerProcess, ServerSpec, default_servers, parse_server, read_procs, settled, stat_fields,
+                           tree)
 
 
 def test_default_servers_are_issue_22s_peers_and_fusedserve_takes_extra_flags():
@@ -130,3 +131,10 @@ def test_read_procs_and_tree_see_this_process_and_its_child():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_fusedserve_server_is_settled_once_no_bucket_is_provisional():
+    stats = {"served": {"a": {"choices": {"1": "tuned", "2": "fixed"}}, "b": {"choices": {"1": "provisional"}}}}
+    assert not settled(stats)
+    stats["served"]["b"]["choices"]["1"] = "tuned"
+    assert settled(stats) and settled({"served": {}})
