@@ -166,7 +166,7 @@ for s in "${stages[@]}"; do
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
             --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" --tag h200_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
-        model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
+        model) stage model 420 python3 bench/model.py --quick --out "$out" ;;
         start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --out "$out" ;;
         start-up-tuning) stage start-up-tuning 580 python3 bench/startup.py --tuning --ready-timeout-s 120 \
             --tuning-timeout-s 360 --out "$out" ;;
