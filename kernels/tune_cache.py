@@ -29,7 +29,18 @@ def cache_dir() -> Path:
 @functools.cache
 def device_cache(device_name: str) -> "TuneCache":
     """The one ``TuneCache`` of this process for a device model (every kernel family shares it)."""
+    _device_names.add(device_name)
     return TuneCache(device_name)
+
+
+def reload_all() -> None:
+    """Read every device cache of this process again from its file (another process, a tuning
+    worker, may have added choices since)."""
+    for name in list(_device_names):
+        device_cache(name).reload()
+
+
+_device_names: set[str] = set()
 
 
 class TuneCache:
@@ -49,6 +60,11 @@ class TuneCache:
                 return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"tune cache {self.path} is not valid JSON ({e}); delete it to re-tune") from e
+
+    def reload(self) -> None:
+        """Add what the file holds now (written by another process) to what this one knows."""
+        with self._lock:
+            self._configs = {**self._configs, **self._read()}
 
     def get(self, key: str):
         return self._configs.get(key)

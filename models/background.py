@@ -1,19 +1,26 @@
 """Tuning after ready: a daemon thread that tunes every runner's provisional buckets one at a time
-(``ModelRunner.retune``) while the runners serve, and swaps each result in between two batches.
+while the runners serve, and swaps each result in between two batches (``ModelRunner.retune``).
 
-It yields between candidates (``kernels.tuning.yielding``: a short sleep, so the serving threads
-get the GIL and the GPU), tunes on a CUDA stream of its own, and logs each bucket it tunes. A
-bucket whose tuning fails keeps its provisional choice (logged); ``stop()`` ends it at the next
-candidate.
+On CUDA the kernels are compiled and timed in a worker process per model
+(``models.tune_worker``): compiling holds the GIL for long stretches (up to 0.76 s at a time seen on
+the 2-core dev machine), which in this process would stall the batches. The worker fills the tune
+cache and Triton's cache and reports each bucket; this thread then reloads the tune cache and
+retunes the bucket from the caches (graphs captured, path timed, swapped). Where the worker fails,
+or off CUDA (``isolate``), the thread tunes in this process, yielding between candidates
+(``kernels.tuning.yielding``: a short sleep). It logs each bucket; a bucket whose tuning fails keeps
+its provisional choice; ``stop()`` ends it at the next candidate (and the worker).
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 
+from fusedserve.kernels import tune_cache
 from fusedserve.kernels.tuning import yielding
+from fusedserve.models import tune_worker
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +30,14 @@ class TuningStopped(Exception):
 
 
 class BackgroundTuner:
-    """Tunes ``runners``' provisional buckets on one daemon thread; ``pause_s`` between candidates."""
+    """Tunes ``runners``' provisional buckets on one daemon thread; ``pause_s`` between candidates
+    tuned in this process. ``isolate``: tune in a worker process (default: for models on CUDA)."""
 
-    def __init__(self, runners, pause_s: float = 0.005):
+    def __init__(self, runners, pause_s: float = 0.005, isolate: bool | None = None):
         self.runners = list(runners)
         self.pause_s = pause_s
+        self.isolate = isolate
+        self._worker: subprocess.Popen | None = None
         self.tuned: list[tuple[str, int, float]] = []  # (model, bucket, seconds) as they finish
         self.failed: list[tuple[str, int]] = []
         self._stop = threading.Event()
@@ -40,6 +50,9 @@ class BackgroundTuner:
     def stop(self, timeout: float | None = None) -> None:
         """Stop at the next candidate and wait (at most ``timeout`` s) for the thread to end."""
         self._stop.set()
+        worker = self._worker
+        if worker is not None and worker.poll() is None:
+            worker.terminate()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -56,21 +69,63 @@ class BackgroundTuner:
             raise TuningStopped()
 
     def _run(self) -> None:
-        work = [(runner, bucket) for runner in self.runners for bucket in runner.provisional_buckets()]
-        if not work:
+        work = [(runner, runner.provisional_buckets()) for runner in self.runners]
+        work = [(runner, buckets) for runner, buckets in work if buckets]
+        total = sum(len(buckets) for _, buckets in work)
+        if not total:
             return
-        log.info("background tuning: %d provisional buckets to tune (%s)", len(work),
-                 ", ".join(f"{r.name} M={b}" for r, b in work))
+        log.info("background tuning: %d provisional buckets to tune (%s)", total,
+                 "; ".join(f"{r.name} M={','.join(map(str, b))}" for r, b in work))
         start = time.perf_counter()
         with yielding(self._between):
-            for i, (runner, bucket) in enumerate(work, 1):
-                if self._stop.is_set() or not self._tune_one(runner, bucket, i, len(work)):
-                    log.info("background tuning stopped after %d of %d buckets", len(self.tuned), len(work))
+            for runner, buckets in work:
+                if not self._tune_runner(runner, buckets, total):
+                    log.info("background tuning stopped after %d of %d buckets", len(self.tuned), total)
                     return
         log.info("background tuning done: %d buckets tuned, %d failed, in %.1f s", len(self.tuned),
                  len(self.failed), time.perf_counter() - start)
 
-    def _tune_one(self, runner, bucket: int, index: int, total: int) -> bool:
+    def _tune_runner(self, runner, buckets: list[int], total: int) -> bool:
+        """Tune one runner's ``buckets`` (in a worker where isolated); False once stopped."""
+        isolate = self.isolate if self.isolate is not None else runner.device.type == "cuda"
+        left = list(buckets)
+        if isolate:
+            for bucket in self._worker_buckets(runner, buckets):
+                tune_cache.reload_all()  # the worker's choices, for retune to find
+                left.remove(bucket)
+                if self._stop.is_set() or not self._tune_one(runner, bucket, total):
+                    return False
+            if left and not self._stop.is_set():
+                log.warning("the tuning worker of %r left M=%s untuned; tuning them in this process", runner.name,
+                            ",".join(map(str, left)))
+        for bucket in left:
+            if self._stop.is_set() or not self._tune_one(runner, bucket, total):
+                return False
+        return True
+
+    def _worker_buckets(self, runner, buckets: list[int]):
+        """Start a tuning worker for ``buckets`` and yield each bucket it reports done."""
+        argv = tune_worker.argv(runner, buckets)
+        try:
+            self._worker = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        except OSError:
+            log.warning("could not start the tuning worker of %r", runner.name, exc_info=True)
+            return
+        last = time.perf_counter()
+        try:
+            for line in self._worker.stdout:
+                word, _, value = line.strip().partition(" ")
+                if word == tune_worker.TUNED and int(value) in buckets:
+                    log.info("tuning worker of %r: M=%s timed in %.1f s", runner.name, value, time.perf_counter() - last)
+                    yield int(value)
+                    last = time.perf_counter()
+        finally:
+            self._worker.stdout.close()
+            code = self._worker.wait()
+            if code and not self._stop.is_set():
+                log.warning("the tuning worker of %r exited with code %s", runner.name, code)
+
+    def _tune_one(self, runner, bucket: int, total: int) -> bool:
         """Tune one bucket; False once stopped."""
         start = time.perf_counter()
         try:
@@ -84,6 +139,6 @@ class BackgroundTuner:
             return True
         seconds = time.perf_counter() - start
         self.tuned.append((runner.name, bucket, seconds))
-        log.info("background tuning %d/%d: %r at M=%d tuned in %.1f s, swapped in (path %s)", index, total,
-                 runner.name, bucket, seconds, path)
+        log.info("background tuning %d/%d: %r at M=%d tuned and swapped in (%.1f s in this process, path %s)",
+                 len(self.tuned) + len(self.failed), total, runner.name, bucket, seconds, path)
         return True

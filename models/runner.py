@@ -311,6 +311,13 @@ class ModelRunner:
         with self._phase("capture"):
             self._install(bucket, chosen, graphs.get(chosen))
 
+    def tune(self, bucket: int) -> None:
+        """Time every candidate path's kernels at ``bucket`` into the tune cache, on the input
+        buffer as it is; nothing captured or swapped (``models.tune_worker``: tuning in a process
+        of its own, whose results ``retune`` in the serving process then finds in the cache)."""
+        with self._lock, provisional.choosing_mode("tune"):
+            self._tune_candidates(bucket)
+
     def retune(self, bucket: int) -> str:
         """Tune ``bucket`` on the calling thread while ``run`` goes on serving it, then swap the
         result in between two batches; returns the path chosen. Every candidate path's kernels are

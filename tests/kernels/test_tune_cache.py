@@ -39,3 +39,14 @@ def test_corrupt_tune_cache_says_which_file(monkeypatch, tmp_path):
 def test_config_str():
     assert config_str({"BLOCK_M": 64, "num_warps": 4}) == "BLOCK_M=64,num_warps=4"
     assert config_str(None) == ""
+
+
+def test_reload_adds_what_another_process_wrote(monkeypatch, tmp_path):
+    monkeypatch.setenv(tune_cache.ENV_VAR, str(tmp_path))
+    ours = tune_cache.device_cache("gpu (reload test)")
+    ours.put("mine", {"BLOCK_M": 16})
+    theirs = tune_cache.TuneCache("gpu (reload test)")  # another process's view of the same file
+    theirs.put("theirs", {"BLOCK_M": 64})
+    assert ours.get("theirs") is None
+    tune_cache.reload_all()
+    assert ours.get("theirs") == {"BLOCK_M": 64} and ours.get("mine") == {"BLOCK_M": 16}

@@ -1,6 +1,7 @@
 """Provisional warm-up and background tuning on the CPU: the runner's real retune and swap, with
 the torch backend standing in for kernels whose tune cache is empty."""
 
+import logging
 import threading
 import time
 
@@ -93,6 +94,7 @@ class FakeRunner:
     """What the tuner asks of a runner; retune times candidates (``tuning._pause`` between them)."""
 
     name = "fake"
+    device = torch.device("cpu")
 
     def __init__(self, fail=()):
         self.fail, self.retuned = fail, []
@@ -127,3 +129,30 @@ def test_stop_ends_tuning_at_the_next_candidate():
     tuner.stop(timeout=10)
     assert not tuner.running and time.perf_counter() - start < 5
     assert runner.retuned == [] and tuner.tuned == []
+
+
+def test_isolated_tuning_runs_a_worker_process_and_swaps_what_it_reports(caplog):
+    caplog.set_level(logging.INFO, logger="fusedserve.models.background")
+    runner = provisional_runner()
+    tuner = BackgroundTuner([runner], pause_s=0, isolate=True)  # a real tune_worker, on the CPU
+    tuner.start()
+    tuner.join(120)
+    assert not tuner.running and sorted(b for _, b, _ in tuner.tuned) == BUCKETS and tuner.failed == []
+    assert runner.choice_states == dict.fromkeys(BUCKETS, "tuned")
+    assert caplog.text.count("tuning worker of 'tiny'") == len(BUCKETS), caplog.text
+
+
+def test_what_a_failed_worker_left_is_tuned_in_this_process(monkeypatch, caplog):
+    import sys
+
+    from fusedserve.models import tune_worker
+
+    # A worker that reports bucket 2 done, then dies.
+    monkeypatch.setattr(tune_worker, "argv", lambda runner, buckets: [
+        sys.executable, "-c", "import sys; print('TUNED 2', flush=True); sys.exit(3)"])
+    runner = provisional_runner()
+    tuner = BackgroundTuner([runner], pause_s=0, isolate=True)
+    tuner.start()
+    tuner.join(60)
+    assert [b for _, b, _ in tuner.tuned] == [2, 1, 4, 8] and runner.provisional_buckets() == []
+    assert "exited with code 3" in caplog.text and "left M=1,4,8 untuned" in caplog.text

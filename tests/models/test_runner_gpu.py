@@ -205,16 +205,15 @@ def test_automatic_choice_leaves_out_a_path_that_fails(monkeypatch, caplog):
 
 @pytest.fixture
 def empty_tune_cache(tmp_path, monkeypatch):
-    """An empty tune cache for every kernel family, and no provisional choice remembered."""
-    from fusedserve.kernels import choosing
-    from fusedserve.kernels.triton import fused_mlp
-    from fusedserve.kernels.tune_cache import TuneCache
+    """An empty tune cache in a directory of its own, for this process and the tuning workers it
+    starts, and no provisional choice remembered."""
+    from fusedserve.kernels import choosing, tune_cache
 
-    cache = TuneCache(torch.cuda.get_device_name(), tmp_path)
-    for module in (choosing, fused_mlp):
-        monkeypatch.setattr(module, "device_cache", lambda name: cache)
+    monkeypatch.setenv(tune_cache.ENV_VAR, str(tmp_path))
     monkeypatch.setattr(choosing, "_provisional", {})
-    return cache
+    tune_cache.device_cache.cache_clear()
+    yield tmp_path
+    tune_cache.device_cache.cache_clear()  # later tests read the usual directory again
 
 
 def test_cold_warmup_times_nothing_then_background_tuning_swaps_under_traffic(empty_tune_cache, monkeypatch):
@@ -245,7 +244,7 @@ def test_cold_warmup_times_nothing_then_background_tuning_swaps_under_traffic(em
 
     client = threading.Thread(target=traffic)
     client.start()
-    tuner = BackgroundTuner([runner], pause_s=0)
+    tuner = BackgroundTuner([runner], pause_s=0)  # on CUDA: a tuning worker process, then swaps here
     tuner.start()
     tuner.join(240)
     stop.set()
@@ -253,3 +252,4 @@ def test_cold_warmup_times_nothing_then_background_tuning_swaps_under_traffic(em
     assert not tuner.running and tuner.failed == [] and runner.provisional_buckets() == []
     assert set(runner.choice_states.values()) == {"tuned"} and set(runner._graphs.plain) == set(runner.buckets)
     assert wrong == [] and answered[0] > 0
+    assert list(empty_tune_cache.glob("*.json")), "the worker's choices land in the shared tune cache"

@@ -1,0 +1,53 @@
+"""``python -m fusedserve.models.tune_worker``: tune a model's batch buckets in a process of its own.
+
+The background tuner (``models.background``) starts one per model on CUDA, so that compiling and
+timing candidates (seconds of Python and compiler work that holds the GIL for long stretches) never
+runs in the serving process. The worker builds a model of the same config (weights do not change
+kernel timings: random ones), times every candidate path of each bucket it is given
+(``ModelRunner.tune``), which fills the shared tune cache and Triton's kernel cache, and prints
+``TUNED <bucket>`` after each; the serving process then reloads the tune cache and warms the bucket
+again from the caches (``ModelRunner.retune``: no timing of kernels, no compiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from fusedserve.models.mlp import MLP, MLPConfig
+from fusedserve.models.runner import ModelRunner
+
+TUNED = "TUNED"
+
+
+def argv(runner, buckets) -> list[str]:
+    """The command line of a worker that tunes ``buckets`` of ``runner``'s model as it serves it."""
+    return [sys.executable, "-m", "fusedserve.models.tune_worker", "--config", json.dumps(runner.model.config.to_dict()),
+            "--name", runner.name, "--device", str(runner.device), "--backend", runner.backend,
+            "--max-batch-size", str(runner.max_batch_size), "--buckets", ",".join(str(b) for b in buckets)]
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the model's config.json, as JSON")
+    parser.add_argument("--name", default="mlp")
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--max-batch-size", type=int, required=True)
+    parser.add_argument("--buckets", required=True, help="comma-separated batch buckets to tune, in order")
+    parsed = parser.parse_args(args)
+    torch.manual_seed(0)
+    model = MLP(MLPConfig.from_dict(json.loads(parsed.config)), backend=parsed.backend, device=parsed.device,
+                name=parsed.name).eval().requires_grad_(False)
+    runner = ModelRunner(model, max_batch_size=parsed.max_batch_size, cuda_graphs=False, provisional=False)
+    runner.input_buffer.uniform_(0, 4)  # rows like a client's, not zeros (power draw, clocks)
+    for bucket in (int(b) for b in parsed.buckets.split(",")):
+        runner.tune(bucket)
+        print(f"{TUNED} {bucket}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
