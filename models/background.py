@@ -2,8 +2,8 @@
 while the runners serve, and swaps each result in between two batches (``ModelRunner.retune``).
 
 On CUDA the kernels are compiled and timed in a worker process per model
-(``models.tune_worker``): compiling holds the GIL for long stretches (up to 0.76 s at a time seen on
-the 2-core dev machine), which in this process would stall the batches. The worker fills the tune
+(``models.tune_worker``): compiling holds the GIL for long stretches (bench/KERNELS.md), which in
+this process would stall the batches. The worker fills the tune
 cache and Triton's cache and reports each bucket; this thread then reloads the tune cache and
 retunes the bucket from the caches (graphs captured, path timed, swapped). Where the worker fails,
 or off CUDA (``isolate``), the thread tunes in this process, yielding between candidates
