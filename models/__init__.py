@@ -4,6 +4,7 @@ from fusedserve.models.loading import DEFAULT_REPOSITORY, load_model, load_repos
 from fusedserve.models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
 from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models.runner import ModelRunner
+from fusedserve.models.precompile import warm_up
 
 __all__ = [
     "BACKENDS",
@@ -17,4 +18,5 @@ __all__ = [
     "load_model",
     "load_repository",
     "save_model",
+    "warm_up",
 ]

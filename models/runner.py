@@ -129,20 +129,30 @@ class ModelRunner:
         self._sampler.min_interval_s = seconds
 
     def warmup(self) -> dict[int, float]:
-        """Warm every bucket (see the class docstring); seconds per bucket."""
+        """Warm every bucket not warm yet (see the class docstring); seconds per bucket."""
         seconds = {}
-        for i, bucket in enumerate(self.buckets, 1):
-            start = time.perf_counter()
-            with self._lock:
-                self._warm_any(bucket)
-            seconds[bucket] = time.perf_counter() - start
-            log.info("warm-up %r: bucket %d/%d (M=%d) took %.3f s, path %s, %s choices%s", self.name, i,
-                     len(self.buckets), bucket, seconds[bucket], self._chosen[bucket], self.choice_states[bucket],
-                     " (CUDA graph captured)" if bucket in self._graphs.plain else "")
+        for bucket in self.buckets:
+            if bucket not in self._chosen:
+                seconds[bucket] = self.warm(bucket)
         split = ", ".join(f"{phase} {s:.2f} s" for phase, s in self.startup_seconds.items())
         log.info("start-up %r: warm in %.2f s (%s); %d of %d buckets provisional", self.name, sum(seconds.values()),
                  split, len(self.provisional_buckets()), len(self.buckets))
         return seconds
+
+    def warm(self, bucket: int) -> float:
+        """Warm one bucket now (as ``warmup`` does); its seconds."""
+        start = time.perf_counter()
+        with self._lock:
+            self._warm_any(bucket)
+        seconds = time.perf_counter() - start
+        log.info("warm-up %r: bucket M=%d (%d/%d) took %.3f s, path %s, %s choices%s", self.name, bucket,
+                 self.buckets.index(bucket) + 1, len(self.buckets), seconds, self._chosen[bucket],
+                 self.choice_states[bucket], " (CUDA graph captured)" if bucket in self._graphs.plain else "")
+        return seconds
+
+    def needs_tuning(self, bucket: int) -> bool:
+        """Whether warming ``bucket`` now would take provisional choices (the tune cache lacks some)."""
+        return self.provisional and not all(self._paths[p].tuned(bucket) for p in self._candidates)
 
     def provisional_buckets(self) -> list[int]:
         """The buckets that still run provisional choices (``retune`` tunes them)."""
@@ -262,7 +272,7 @@ class ModelRunner:
 
     def _warm_any(self, bucket: int) -> None:
         """Warm ``bucket``: provisionally where something is left to tune, else as tuned."""
-        if self.provisional and not all(self._paths[p].tuned(bucket) for p in self._candidates):
+        if self.needs_tuning(bucket):
             self._warm_provisional(bucket)
             return
         tunable = self.device.type == "cuda" and self.backend == "triton"

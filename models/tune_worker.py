@@ -1,4 +1,5 @@
-"""``python -m fusedserve.models.tune_worker``: tune a model's batch buckets in a process of its own.
+"""``python -m fusedserve.models.tune_worker``: tune (or compile) a model's batch buckets in a process
+of its own.
 
 The background tuner (``models.background``) starts one per model on CUDA, so that compiling and
 timing candidates (seconds of Python and compiler work that holds the GIL for long stretches) never
@@ -7,6 +8,10 @@ kernel timings: random ones), times every candidate path of each bucket it is gi
 (``ModelRunner.tune``), which fills the shared tune cache and Triton's kernel cache, and prints
 ``TUNED <bucket>`` after each; the serving process then reloads the tune cache and warms the bucket
 again from the caches (``ModelRunner.retune``: no timing of kernels, no compiling).
+
+``--warm``: compile only, for a cold start (``models.precompile``): warm each bucket as the server
+will (``ModelRunner.warm``: its provisional choices, nothing timed, nothing captured), so Triton's
+cache holds the kernels the server then loads; prints ``WARM <bucket>`` after each.
 """
 
 from __future__ import annotations
@@ -20,14 +25,16 @@ import torch
 from fusedserve.models.mlp import MLP, MLPConfig
 from fusedserve.models.runner import ModelRunner
 
-TUNED = "TUNED"
+TUNED, WARM = "TUNED", "WARM"
 
 
-def argv(runner, buckets) -> list[str]:
-    """The command line of a worker that tunes ``buckets`` of ``runner``'s model as it serves it."""
+def argv(runner, buckets, warm: bool = False) -> list[str]:
+    """The command line of a worker that tunes (``warm``: compiles) ``buckets`` of ``runner``'s model
+    as it serves it."""
     return [sys.executable, "-m", "fusedserve.models.tune_worker", "--config", json.dumps(runner.model.config.to_dict()),
             "--name", runner.name, "--device", str(runner.device), "--backend", runner.backend,
-            "--max-batch-size", str(runner.max_batch_size), "--buckets", ",".join(str(b) for b in buckets)]
+            "--max-batch-size", str(runner.max_batch_size), "--buckets", ",".join(str(b) for b in buckets),
+            *(["--warm"] if warm else [])]
 
 
 def main(args: list[str] | None = None) -> None:
@@ -38,15 +45,19 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--backend", required=True)
     parser.add_argument("--max-batch-size", type=int, required=True)
     parser.add_argument("--buckets", required=True, help="comma-separated batch buckets to tune, in order")
+    parser.add_argument("--warm", action="store_true", help="compile each bucket's provisional choices only")
     parsed = parser.parse_args(args)
     torch.manual_seed(0)
     model = MLP(MLPConfig.from_dict(json.loads(parsed.config)), backend=parsed.backend, device=parsed.device,
                 name=parsed.name).eval().requires_grad_(False)
-    runner = ModelRunner(model, max_batch_size=parsed.max_batch_size, cuda_graphs=False, provisional=False)
+    runner = ModelRunner(model, max_batch_size=parsed.max_batch_size, cuda_graphs=False, provisional=parsed.warm)
     runner.input_buffer.uniform_(0, 4)  # rows like a client's, not zeros (power draw, clocks)
     for bucket in (int(b) for b in parsed.buckets.split(",")):
-        runner.tune(bucket)
-        print(f"{TUNED} {bucket}", flush=True)
+        if parsed.warm:
+            runner.warm(bucket)
+        else:
+            runner.tune(bucket)
+        print(f"{WARM if parsed.warm else TUNED} {bucket}", flush=True)
 
 
 if __name__ == "__main__":

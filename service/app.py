@@ -41,9 +41,11 @@ def _load_runners(settings: Settings, sink: LayerSinks) -> list:
 async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
     start = time.perf_counter()
     try:
-        for runner in runners:
-            seconds = await asyncio.to_thread(runner.warmup)
-            log.info("warmed up %r: %s", runner.name, seconds)
+        from fusedserve.models import warm_up
+
+        seconds = await asyncio.to_thread(warm_up, runners, state.settings.parallel_compile)
+        for name, per_bucket in seconds.items():
+            log.info("warmed up %r: %s", name, per_bucket)
     except Exception as exc:  # readiness reports it; the process stays up to say why
         log.exception("warm-up failed")
         state.startup_error = f"{type(exc).__name__}: {exc}"

@@ -38,6 +38,8 @@ _FLAGS = {
     "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
     "--background-tuning": ("background_tuning", _on_off,
                             "on/off: tune provisional kernel choices after ready (default on)"),
+    "--parallel-compile": ("parallel_compile", _on_off,
+                           "on/off: compile a cold start's kernels in worker processes (default on)"),
 }
 
 

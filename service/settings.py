@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     # After ready, tune the buckets warmed on provisional kernel choices on a background thread and
     # swap each result in between batches (models.background); off: they keep the provisional ones.
     background_tuning: bool = True
+    # Where warm-up finds Triton's cache cold, compile the provisional kernels of the remaining
+    # buckets in worker processes at once (models.precompile); off: one after another in-process.
+    parallel_compile: bool = True
 
     @field_validator("device")
     @classmethod

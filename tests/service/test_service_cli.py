@@ -84,3 +84,5 @@ def test_background_tuning_flag_and_environment(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--background-tuning", "maybe"])
     assert "expected on or off" in capsys.readouterr().err
+    assert Settings().parallel_compile is True
+    assert settings_from_args(parser().parse_args(["serve", "--parallel-compile", "off"])).parallel_compile is False
