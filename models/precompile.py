@@ -36,7 +36,10 @@ def warm_up(runners, parallel: bool = True, max_workers: int | None = None) -> d
     if parallel and len(jobs) > 1:
         runner, bucket = jobs[0]
         seconds[runner.name][bucket] = runner.warm(bucket)
-        if runner.startup_seconds["compile"] > COLD_COMPILE_S:
+        cold = runner.startup_seconds["compile"] > COLD_COMPILE_S
+        log.info("warm-up: the first bucket's launches took %.2f s: Triton's cache is %s", runner.startup_seconds[
+            "compile"], "cold, compiling the rest in parallel" if cold else "warm")
+        if cold:
             precompile(jobs[1:], max_workers or default_workers())
     for runner in runners:
         seconds[runner.name].update(runner.warmup())
