@@ -5,6 +5,7 @@ Run on the GPU host from the repository root (``bench/gpu_check.sh start-up`` an
 
     python bench/startup.py --out DIR                 # ready times, four scenarios
     python bench/startup.py --out DIR --tuning        # one scenario, then background tuning under traffic
+    python bench/startup.py --out DIR --only 4x2048 --compare-serial   # plus a cold start, compiling serially
 
 Scenarios (``ready``): the shipped repository (default ``--max-batch-size``) and a repository of the
 shipped digits plus a 4x2048 bf16 MLP (``--max-batch-size 256``), each started twice with an empty
@@ -113,16 +114,17 @@ class Server:
 
 def startup_lines(lines: list[str]) -> list[str]:
     """The server's own start-up and tuning lines from its log."""
-    keys = ("start-up ", "ready after", "background tuning")
+    keys = ("start-up ", "ready after", "background tuning", "tuning worker", "Triton's cache is", "compile worker")
     return [line for line in lines if any(k in line for k in keys)]
 
 
-def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args) -> dict:
-    """Start a server with an empty tune cache and ``triton_dir`` as Triton's cache; time it to ready."""
+def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args, parallel=True) -> dict:
+    """Start a server with an empty tune cache and ``triton_dir`` as Triton's cache; time it to ready.
+    ``parallel``: its --parallel-compile."""
     triton_state = "warm" if triton_dir.exists() and any(triton_dir.iterdir()) else "empty"
     tune_dir = Path(tempfile.mkdtemp(prefix="tune-", dir=work))
     env = {"TRITON_CACHE_DIR": str(triton_dir), "FUSEDSERVE_TUNE_CACHE": str(tune_dir),
-           "FUSEDSERVE_BACKGROUND_TUNING": "off"}
+           "FUSEDSERVE_BACKGROUND_TUNING": "off", "FUSEDSERVE_PARALLEL_COMPILE": "on" if parallel else "off"}
     server = Server(repo, max_batch, args.port, env, work / f"{name}_{triton_state}.log", args.device)
     ready_s = server.wait_ready(args.ready_timeout_s)
     served = {}
@@ -132,11 +134,12 @@ def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args) ->
     lines = server.stop()
     target = READY_TARGET_S[triton_state]
     row = dict(scenario=name, triton_cache=triton_state, tune_cache="empty", max_batch_size=max_batch,
+               parallel_compile=parallel,
                ready_s=None if ready_s is None else round(ready_s, 2), target_s=target,
                met=ready_s is not None and ready_s <= target, served=served, log=startup_lines(lines))
     if ready_s is None:
         row["log_tail"] = lines
-    log(f"{name}: Triton cache {triton_state}, tune cache empty: ready "
+    log(f"{name}: Triton cache {triton_state}, tune cache empty, parallel compile {'on' if parallel else 'off'}: ready "
         f"{'never' if ready_s is None else f'in {ready_s:.1f} s'} (target {target:.0f} s)")
     for model, info in served.items():
         log(f"  {model}: {info['startup_s']}")
@@ -228,6 +231,8 @@ def main():
     parser.add_argument("--after-s", type=float, default=15, help="--tuning: traffic this long once tuned")
     parser.add_argument("--only", choices=("shipped", "4x2048"), help="one repository of the ready scenarios")
     parser.add_argument("--device", default="cuda", help="the servers' --device (cpu: a dry run of the mechanics)")
+    parser.add_argument("--compare-serial", action="store_true",
+                        help="also start each repository cold with --parallel-compile off (a fresh Triton cache)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fusedserve-startup-"))
@@ -250,6 +255,10 @@ def main():
             triton_dir = work / f"triton_{name}"
             for _ in ("empty", "warm"):  # the first start fills the Triton cache the second one reads
                 data["rows"].append(ready_scenario(name, repo, max_batch, triton_dir, work, args))
+                path.write_text(json.dumps(data, indent=1) + "\n")
+            if args.compare_serial:
+                data["rows"].append(ready_scenario(name, repo, max_batch, work / f"triton_{name}_serial", work, args,
+                                                   parallel=False))
                 path.write_text(json.dumps(data, indent=1) + "\n")
     path.write_text(json.dumps(data, indent=1) + "\n")
     log(f"wrote {path}")
