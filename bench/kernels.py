@@ -454,6 +454,7 @@ def main():
     args = parser.parse_args()
     if args.merge:
         merged = merge_runs([json.loads(path.read_text()) for path in args.merge])
+        merged["summary"] = summaries(merged["rows"])
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"kernels_{args.tag}.json"
         path.write_text(json.dumps(merged, indent=1))
