@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -47,6 +48,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--buckets", required=True, help="comma-separated batch buckets to tune, in order")
     parser.add_argument("--warm", action="store_true", help="compile each bucket's provisional choices only")
     parsed = parser.parse_args(args)
+    if not parsed.warm and hasattr(os, "nice"):
+        os.nice(10)  # tuning is background work: the serving process's threads come first on the CPU
     torch.manual_seed(0)
     model = MLP(MLPConfig.from_dict(json.loads(parsed.config)), backend=parsed.backend, device=parsed.device,
                 name=parsed.name).eval().requires_grad_(False)
