@@ -18,6 +18,7 @@ from fusedserve.models.mlp import MLP
 from fusedserve.models.paths import candidate_paths, choose
 from fusedserve.models.sampling import EagerClock, LayerRecords, TimingSampler
 from fusedserve.models.staging import Staging
+from fusedserve.models.threads import CpuThreads
 from fusedserve.models.timing import LayerTiming, PendingEvents, TimingSink
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class ModelRunner:
         self._pending = PendingEvents()
         self._records = LayerRecords(model, lambda path, index, bucket: self._paths[path].kernel(index, bucket))
         self._clock = EagerClock(self._records, self._pending, self._emit, self.device)
+        self._threads = CpuThreads()  # CPU only: threads per bucket
 
     # -- public API --------------------------------------------------------------------------
 
@@ -146,6 +148,7 @@ class ModelRunner:
             graph.replay()
         else:  # eager launches, each layer timed when ``timed``
             path = self._chosen[bucket]
+            self._threads.use(bucket)
             with torch.no_grad():
                 out = self._forward(bucket, path, self._clock.hook(path, rows, bucket) if timed else None)
         result = self._staging.copy_out(out, rows)  # synchronizes on CUDA
@@ -232,6 +235,8 @@ class ModelRunner:
             log.info("%r at M=%d runs the %s path (%s)", self.name, bucket, chosen,
                      ", ".join(f"{p} {s * 1e6:.1f} us" for p, s in self.path_seconds[bucket].items()))
         self._chosen[bucket] = chosen
+        if self.device.type == "cpu":
+            self._threads.choose(bucket, self._step(bucket, chosen, None))
         if chosen in graphs:
             self._graphs.plain[bucket] = graphs[chosen]
             self._graphs.capture_timed(bucket, lambda hook: self._forward(bucket, chosen, hook))
