@@ -20,6 +20,7 @@ from fusedserve.models.mlp import MLP
 from fusedserve.models.paths import candidate_paths, choose, provisional_path
 from fusedserve.models.sampling import EagerClock, LayerRecords, TimingSampler
 from fusedserve.models.staging import Staging
+from fusedserve.models.threads import CpuThreads
 from fusedserve.models.timing import LayerTiming, PendingEvents, TimingSink
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class ModelRunner:
         self._pending = PendingEvents()
         self._records = LayerRecords(model, lambda path, index, bucket: self._paths[path].kernel(index, bucket))
         self._clock = EagerClock(self._records, self._pending, self._emit, self.device)
+        self._threads = CpuThreads()  # CPU only: threads per bucket
         self.provisional = provisional
         self.choice_states: dict[int, str] = {}  # bucket -> "provisional", "tuned" or "fixed"
         self.startup_seconds = dict.fromkeys(("compile", "tune", "capture", "path_choice"), 0.0)
@@ -182,6 +184,7 @@ class ModelRunner:
             graph.replay()
         else:  # eager launches, each layer timed when ``timed``
             path = self._chosen[bucket]
+            self._threads.use(bucket)
             with torch.no_grad():
                 out = self._forward(bucket, path, self._clock.hook(path, rows, bucket) if timed else None)
         result = self._staging.copy_out(out, rows)  # synchronizes on CUDA
@@ -274,10 +277,12 @@ class ModelRunner:
         """Warm ``bucket``: provisionally where something is left to tune, else as tuned."""
         if self.needs_tuning(bucket):
             self._warm_provisional(bucket)
-            return
-        tunable = self.device.type == "cuda" and self.backend == "triton"
-        self._warm_bucket(bucket, "tune" if self.provisional is False and tunable else "compile")
-        self.choice_states[bucket] = "tuned" if tunable else "fixed"
+        else:
+            tunable = self.device.type == "cuda" and self.backend == "triton"
+            self._warm_bucket(bucket, "tune" if self.provisional is False and tunable else "compile")
+            self.choice_states[bucket] = "tuned" if tunable else "fixed"
+        if self.device.type == "cpu":  # the thread count that times faster there (models.threads)
+            self._threads.choose(bucket, self._step(bucket, self._chosen[bucket], None))
 
     def _warm_provisional(self, bucket: int) -> None:
         """Run and capture ``bucket`` on its rule's path with provisional choices: nothing timed. A
