@@ -41,16 +41,30 @@ class BucketGraphs:
 
     def record(self, forward: Forward, hook=None, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """``(graph, static output)`` of ``forward(hook)``; raises what the capture raises. ``pool``:
-        another memory pool than the shared one (graphs captured while others replay, ``retune``)."""
+        another memory pool than the shared one, for graphs captured while others replay (``retune``):
+        captured by hand on a side stream, without what ``torch.cuda.graph`` does on entry (a device
+        synchronization and emptying the caching allocator, which would stall the serving thread)."""
         graph = torch.cuda.CUDAGraph()
-        if pool is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            pool = self._pool
+        if pool is not None:
+            return graph, self._record_beside(graph, forward, hook, pool)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         # thread_local: a stats reader collecting timings on another thread must not break it.
-        with torch.no_grad(), gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.no_grad(), gc_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = forward(hook)
         return graph, out
+
+    def _record_beside(self, graph, forward: Forward, hook, pool) -> torch.Tensor:
+        side, current = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        with torch.no_grad(), gc_paused(), torch.cuda.stream(side):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = forward(hook)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        return out
 
     def capture(self, bucket: int, path: str, forward: Forward):
         """``(graph, static output)`` of ``forward`` (the ``path`` at ``bucket``), or None when the
