@@ -111,6 +111,8 @@ class BackgroundTuner:
         except OSError:
             log.warning("could not start the tuning worker of %r", runner.name, exc_info=True)
             return
+        if self._stop.is_set():  # stop() came while it started: it may not have seen this worker
+            self._worker.terminate()
         last = time.perf_counter()
         try:
             for line in self._worker.stdout:
