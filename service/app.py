@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from fusedserve.service.batcher import Batcher
 from fusedserve.service.engine import LocalEngine
-from fusedserve.service.errors import ServiceError
+from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.hotpath import HotPath
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
@@ -133,6 +133,19 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return _error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
 
+def _unexpected_reporter(state: ServiceState):
+    """What the middleware calls on a bug in a framework route: one log record, counted in /metrics."""
+
+    def report(scope, exc: Exception) -> None:
+        log_unexpected(log, f"{scope['method']} {scope['path']} failed", exc)
+        state.metrics.unexpected.labels("http").inc()
+        model = scope.get("state", {}).get("model")
+        if model:  # an inference route that got as far as naming its model
+            state.metrics.record_request(model, "error")
+
+    return report
+
+
 class ServiceApp(FastAPI):
     """FastAPI, with the routes that carry rows served first, framework-free (``service.hotpath``)."""
 
@@ -154,7 +167,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     ids = RequestIds()
     app.hot_path = HotPath(app, state, ids)
-    app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining, ids=ids)
+    app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining, ids=ids,
+                       on_error=_unexpected_reporter(state))
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import logging
+import traceback
+
+# Frames of an unexpected error's trace that reach the log: where it failed, not 60 lines of stack.
+TRACE_FRAMES = 6
+
 
 class ServiceError(Exception):
     status = 500
@@ -62,3 +68,9 @@ class ClientGone(ServiceError):
     status = 499
     grpc_code = "CANCELLED"
     outcome = "disconnected"
+
+
+def log_unexpected(log: logging.Logger, what: str, exc: BaseException) -> None:
+    """One log record for a bug: a line naming it, then the last ``TRACE_FRAMES`` frames only."""
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-TRACE_FRAMES, chain=False))
+    log.error("%s: %s: %s\n%s", what, type(exc).__name__, exc, trace.rstrip())

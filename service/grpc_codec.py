@@ -36,7 +36,10 @@ def _typed_values(spec, dtype: np.dtype) -> np.ndarray:
             raise BadInput("inputs[0] has no data: send its values in contents.fp32_contents or raw_input_contents")
         raise BadInput(f"inputs[0] is {spec.datatype}, whose values go in contents.{field}; "
                        f"got contents.{', contents.'.join(sent)}")
-    return np.array(values, dtype=dtype)
+    try:
+        return np.array(values, dtype=dtype)
+    except OverflowError:  # e.g. 300 in int_contents of an INT8 input
+        raise BadInput(f"inputs[0] holds values outside the range of {spec.datatype}") from None
 
 
 def _raw_output(request, raw_input: bool) -> bool:

@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from fusedserve.service import grpc_codec, tensors
 from fusedserve.service.engine import Engine
-from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady, ServiceError, UnknownModel
+from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady, ServiceError, UnknownModel, log_unexpected
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo
 
@@ -28,8 +28,8 @@ CODES = {code.name: code for code in grpc.StatusCode}
 async def _abort(context, engine: Engine, model: str, exc: Exception):
     """Answer ``exc`` as a status: a ServiceError with its own code, anything else INTERNAL (logged)."""
     if not isinstance(exc, ServiceError):
-        log.error("gRPC call failed", exc_info=exc)
-        exc = ServiceError(f"internal error: {type(exc).__name__}: {exc}")
+        log_unexpected(log, "gRPC call failed", exc)
+        exc = ServiceError("internal error; see the server log")
     engine.record_error(model, exc.outcome)
     await context.abort(CODES[exc.grpc_code], exc.message)
 

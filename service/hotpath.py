@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import time
 
-from fusedserve.service.errors import ServiceError
+from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.inference import TIMEOUT_HEADER, run_rows, timeout_s
 from fusedserve.service.inputs import dump_json, read_asgi_body
-from fusedserve.service.middleware import RequestIds, answer_headers, log_access
+from fusedserve.service.middleware import INTERNAL_ERROR, RequestIds, answer_headers, log_access
 from fusedserve.service.routers import infer as infer_route
 from fusedserve.service.routers import v2
 from fusedserve.service.state import ServiceState
@@ -83,7 +83,8 @@ class HotPath:
         except ServiceError as exc:
             engine.record_error(model, exc.outcome)
             return exc.status, dump_json({"error": exc.message}), _JSON, exc.headers
-        except Exception:  # a bug, not the client's: logged, and answered rather than dropped
-            log.exception("request to %s failed", where)
+        except Exception as exc:  # a bug, not the client's: logged, and answered rather than dropped
+            log_unexpected(log, f"POST {'/infer' if where[0] == 'infer' else 'v2 infer'} failed", exc)
             engine.record_error(model, "error")
-            return 500, dump_json({"error": "internal server error; see the server log"}), _JSON, {}
+            state.metrics.unexpected.labels("http").inc()
+            return 500, INTERNAL_ERROR, _JSON, {}

@@ -43,11 +43,25 @@ def log_access(scope, status: int, start: float, request_id: bytes) -> None:
                                "status": status, "duration_ms": round(ms, 3)})
 
 
+INTERNAL_ERROR = b'{"error":"internal server error; see the server log"}'
+
+
+def internal_error_start(request_id: bytes, draining: bool) -> dict:
+    """The ``http.response.start`` of a JSON 500 (body ``INTERNAL_ERROR``), for a bug's request."""
+    return {"type": "http.response.start", "status": 500,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(INTERNAL_ERROR)).encode()),
+                        *answer_headers(request_id, draining)]}
+
+
 class RequestIdMiddleware:
-    def __init__(self, app, is_draining, ids: RequestIds):
+    """Request ids, the access log, and the last word on a bug: a JSON 500 with the request id
+    (never the framework's plain-text one), reported once through ``on_error(scope, exc)``."""
+
+    def __init__(self, app, is_draining, ids: RequestIds, on_error):
         self.app = app
         self.is_draining = is_draining
         self.ids = ids
+        self.on_error = on_error
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -68,5 +82,11 @@ class RequestIdMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 - a bug: logged, counted and answered, not re-raised
+            self.on_error(scope, exc)
+            if status == 0:  # nothing sent yet: the client still gets an answer it can parse
+                status = 500
+                await send(internal_error_start(request_id, self.is_draining()))
+                await send({"type": "http.response.body", "body": INTERNAL_ERROR})
         finally:
             log_access(scope, status, start, request_id)
