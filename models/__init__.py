@@ -1,6 +1,6 @@
 """MLP models built from fused linear layers: definition, loading, running, the shipped repository."""
 
-from fusedserve.models.loading import DEFAULT_REPOSITORY, load_model, load_repository, save_model
+from fusedserve.models.loading import DEFAULT_REPOSITORY, load_model, load_repository, model_directories, save_model
 from fusedserve.models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
 from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models.runner import ModelRunner
@@ -16,5 +16,6 @@ __all__ = [
     "batch_buckets",
     "load_model",
     "load_repository",
+    "model_directories",
     "save_model",
 ]

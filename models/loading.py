@@ -91,7 +91,18 @@ def read_tensors(directory: Path, model: MLP) -> dict[str, torch.Tensor]:
                              f"{CONFIG_FILE} implies {tuple(want.shape)}")
         if not got.is_floating_point():
             raise ValueError(f"{path}: tensor {name!r} has dtype {got.dtype}, expected floats")
+        check_finite(got, name, path)
     return tensors
+
+
+def check_finite(tensor: torch.Tensor, name: str, where) -> None:
+    """ValueError naming ``name`` and its first bad element if ``tensor`` holds NaN or Infinity: such
+    weights make every answer NaN (served as JSON nulls)."""
+    bad = ~torch.isfinite(tensor)
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{where}: tensor {name!r} holds {int(bad.sum())} NaN or infinite value(s), first at "
+                         f"{list(index)} ({tensor[index].item()}) in {tensor.dtype}; fix the weights")
 
 
 def load_model(path, device=None, backend=None) -> MLP:
@@ -109,8 +120,12 @@ def load_model(path, device=None, backend=None) -> MLP:
     model = MLP(config, backend=backend, device="meta", name=directory.name)
     tensors = read_tensors(directory, model)
     model = MLP(config, backend=backend, device=device, name=directory.name)
-    # Weights take the config's dtype; the normalization buffers stay float32 (see MLP).
-    model.load_state_dict({name: t.to(model.state_dict()[name].dtype) for name, t in tensors.items()})
+    # Weights take the config's dtype; the normalization buffers stay float32 (see MLP). A float32
+    # weight past float16's 65504 turns infinite there: refused like an infinite one.
+    cast = {name: t.to(model.state_dict()[name].dtype) for name, t in tensors.items()}
+    for name, t in cast.items():
+        check_finite(t, name, f"{directory / WEIGHTS_FILE} (as {config.dtype})")
+    model.load_state_dict(cast)
     log.info("loaded model %r from %s: widths %s, %s, device %s, backend %s",
              model.name, directory, config.widths, config.dtype, device, backend)
     return model.eval().requires_grad_(False)
@@ -133,6 +148,11 @@ def load_repository(path=None, device=None, backend=None) -> dict[str, MLP]:
 
     ``path`` None = the shipped ``DEFAULT_REPOSITORY``. Returns ``{name: model}`` sorted by name.
     """
+    return {d.name: load_model(d, device=device, backend=backend) for d in model_directories(path)}
+
+
+def model_directories(path=None) -> list[Path]:
+    """The model directories (subfolders holding ``config.json``) of a repository, sorted by name."""
     root = Path(DEFAULT_REPOSITORY if path is None else path)
     if not root.is_dir():
         raise FileNotFoundError(f"model repository not found: {root}")
@@ -140,4 +160,4 @@ def load_repository(path=None, device=None, backend=None) -> dict[str, MLP]:
     if not directories:
         raise ValueError(f"model repository {root} holds no model: expected subfolders with "
                          f"{CONFIG_FILE} and {WEIGHTS_FILE}")
-    return {d.name: load_model(d, device=device, backend=backend) for d in directories}
+    return directories

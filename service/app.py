@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,31 +21,66 @@ from fusedserve.service.hotpath import HotPath
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
 from fusedserve.service.routers import health, infer, metrics, stats, v2
 from fusedserve.service.settings import Settings
-from fusedserve.service.state import ModelInfo, ServiceState
+from fusedserve.service.state import LOAD_FAILED, WARMUP_FAILED, ModelInfo, ServiceState
 from fusedserve.service.stats import ServiceStats
 from fusedserve.service.timing import LayerSinks
 
 log = logging.getLogger("fusedserve")
 
 
-def _load_runners(settings: Settings, sink: LayerSinks) -> list:
+def _reason(exc: Exception, settings: Settings) -> str:
+    """Why a model failed, for clients: paths shown relative to the model repository, never whole."""
+    root = str(settings.model_repository).rstrip(os.sep) + os.sep
+    return f"{type(exc).__name__}: {exc}".replace(root, "")
+
+
+def _load_runners(settings: Settings, sink: LayerSinks, failed: dict[str, str]) -> list:
+    """A runner per model; with ``exit_on_error`` off, a model that fails to load is left out and
+    ``failed`` says why, else its error stops start-up."""
     from fusedserve import models
 
     device = None if settings.device == "auto" else settings.device
     backend = None if settings.backend == "auto" else settings.backend
-    loaded = models.load_repository(settings.model_repository, device=device, backend=backend)
-    return [models.ModelRunner(m, max_batch_size=settings.max_batch_size, timing_sink=sink)
-            for m in loaded.values()]
+    runners = []
+    for directory in models.model_directories(settings.model_repository):
+        try:
+            model = models.load_model(directory, device=device, backend=backend)
+            runners.append(models.ModelRunner(model, max_batch_size=settings.max_batch_size, timing_sink=sink))
+        except Exception as exc:
+            if settings.exit_on_error:
+                raise
+            log.error("model %r failed to load; serving the others: %s", directory.name, exc)
+            failed[directory.name] = f"{LOAD_FAILED}: {_reason(exc, settings)}"
+    return runners
+
+
+async def _warm_up(state: ServiceState, runners: list) -> list:
+    """The runners that warmed up. A failure stops start-up (readiness says why) or, with
+    ``exit_on_error`` off, leaves only that model out of serving."""
+    warm = []
+    for runner in runners:
+        try:
+            seconds = await asyncio.to_thread(runner.warmup)
+        except Exception as exc:  # readiness reports it; the process stays up to say why
+            log.exception("warm-up of %r failed", runner.name)
+            reason = _reason(exc, state.settings)
+            if state.settings.exit_on_error:
+                state.startup_error = reason
+                return []
+            state.failed[runner.name] = f"{WARMUP_FAILED}: {reason}"
+            state.models.pop(runner.name, None)
+            state.runners.pop(runner.name, None)
+            continue
+        log.info("warmed up %r: %s", runner.name, seconds)
+        warm.append(runner)
+    if not warm and not state.startup_error:
+        state.startup_error = f"no model could be served: {state.failed}"
+    return warm
 
 
 async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
-    try:
-        for runner in runners:
-            seconds = await asyncio.to_thread(runner.warmup)
-            log.info("warmed up %r: %s", runner.name, seconds)
-    except Exception as exc:  # readiness reports it; the process stays up to say why
-        log.exception("warm-up failed")
-        state.startup_error = f"{type(exc).__name__}: {exc}"
+    runners = await _warm_up(state, runners)
+    if not runners:
         return
     # Warm-up launches (autotuning, graph capture) are not traffic: never count them.
     state.stats.reset()
@@ -85,7 +121,7 @@ async def _lifespan(app: FastAPI):
     state: ServiceState = app.state.service
     # Loading errors (missing repository, bad config) stop start-up at once with their message.
     sink = LayerSinks((state.stats, state.metrics))
-    runners = await asyncio.to_thread(_load_runners, state.settings, sink)
+    runners = await asyncio.to_thread(_load_runners, state.settings, sink, state.failed)
     if state.settings.torch_threads and any(r.device.type == "cpu" for r in runners):
         import torch
 
@@ -165,6 +201,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
+    state.metrics.watch_models(state.model_readiness)
     ids = RequestIds()
     app.hot_path = HotPath(app, state, ids)
     app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining, ids=ids,

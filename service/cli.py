@@ -26,6 +26,8 @@ _FLAGS = {
                           "batches faster than this skip the worker thread (default: CPU 25, CUDA 1)"),
     "--torch-threads": ("torch_threads", int, "torch threads for CPU models (default 0: torch's own)"),
     "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
+    # Booleans go to Settings as text: pydantic reads true/false, 1/0, yes/no, on/off.
+    "--exit-on-error": ("exit_on_error", str, "true: a model that fails to load stops start-up; false: serve the rest"),
 }
 
 

@@ -27,6 +27,13 @@ class BadInput(ServiceError):
     outcome = "bad_input"
 
 
+class NonFiniteOutput(ServiceError):
+    # Finite weights and inputs that still overflow the model's dtype: never answered as nulls.
+    status = 422
+    grpc_code = "INVALID_ARGUMENT"
+    outcome = "non_finite_output"
+
+
 class PayloadTooLarge(ServiceError):
     status = 413
     grpc_code = "INVALID_ARGUMENT"

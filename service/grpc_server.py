@@ -59,6 +59,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         models = self._engine.models()
         info = models.get(name)
         if info is None:
+            if self._engine.ready():  # NotReady saying why for a model that failed, else UnknownModel
+                self._engine.model(name)
             if not models:
                 raise NotReady("the server is starting: no model is loaded yet")
             raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(models)}")
@@ -76,7 +78,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_answers_errors
     async def ModelReady(self, request, context):
-        self._known(request.name, request.version)
+        try:
+            self._known(request.name, request.version)
+        except NotReady:  # a model that failed to load or warm up: not ready (its metadata says why)
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self._engine.ready())
 
     @_answers_errors

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     torch_threads: int = Field(0, ge=0)
     # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
     drain_grace_s: float = Field(2.0, ge=0.0)
+    # A model that fails to load stops start-up (Triton's --exit-on-error); off, the others serve
+    # and the failed one answers 503 saying why (model ready/metadata routes, /metrics).
+    exit_on_error: bool = True
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
     gc_freeze: bool = True
 

@@ -15,6 +15,9 @@ from fusedserve.service.settings import Settings
 from fusedserve.service.stats import ServiceStats
 
 
+LOAD_FAILED, WARMUP_FAILED = "failed to load", "warm-up failed"  # how a ``failed`` reason starts
+
+
 @dataclass
 class ModelInfo:
     name: str
@@ -36,6 +39,8 @@ class ServiceState:
     serving: bool = False  # models loaded, warmed up, batchers running
     draining: bool = False  # SIGTERM seen: still answering, but readiness says no
     startup_error: str | None = None
+    # Models that failed to load or warm up while the others serve (``exit_on_error`` off): why.
+    failed: dict[str, str] = field(default_factory=dict)
     # Run once, on the event loop, when draining starts: each front end's own drain (gRPC's).
     drain_hooks: list[Callable[[], None]] = field(default_factory=list)
 
@@ -58,6 +63,13 @@ class ServiceState:
             return []
         return sorted(name for name, b in self.batchers.items() if not b.running)
 
+    def model_readiness(self) -> dict[str, tuple[bool, str | None]]:
+        """Per model: whether it answers requests now, and the stage it failed at (load, warmup)."""
+        out = {name: (self.ready and name in self.batchers, None) for name in self.models}
+        for name, reason in self.failed.items():
+            out[name] = (False, "load" if reason.startswith(LOAD_FAILED) else "warmup")
+        return out
+
     @property
     def ready(self) -> bool:
         return self.serving and not self.draining and not self.stalled
@@ -73,6 +85,8 @@ class ServiceState:
                 return next(iter(self.models.values()))
             raise BadInput(f"name the model: this server serves {sorted(self.models)}")
         info = self.models.get(name)
+        if info is None and name in self.failed:
+            raise NotReady(f"model {name!r} is not ready: {self.failed[name]}")
         if info is None:
             raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(self.models)}")
         return info

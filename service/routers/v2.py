@@ -45,6 +45,8 @@ async def model_metadata(state: State, model: str, version: str | None = None) -
 @router.get("/models/{model}/ready", summary="Model readiness")
 @router.get("/models/{model}/versions/{version}/ready", include_in_schema=False)
 async def model_ready(state: State, model: str, version: str | None = None) -> JSONResponse:
+    if model in state.failed:  # loaded no further: not ready, and why
+        return JSONResponse({"name": model, "ready": False, "error": state.failed[model]}, status_code=503)
     info = model_info(state, model, version)
     ok = state.ready
     return JSONResponse({"name": info.name, "ready": ok}, status_code=200 if ok else 503)
