@@ -9,6 +9,9 @@ import os
 import time
 
 access_log = logging.getLogger("fusedserve.access")
+# Set in the request's scope by the HTTP protocol (service.protocol) when the connection closed
+# before the answer was written: the access log then says 499, not the status that never left.
+CLIENT_GONE = "fusedserve.client_gone"
 
 
 class RequestIds:
@@ -34,13 +37,19 @@ def answer_headers(request_id: bytes, draining: bool) -> list[tuple[bytes, bytes
 
 
 def log_access(scope, status: int, start: float, request_id: bytes) -> None:
-    """One access-log line (with fields for the JSON log format), if INFO is on."""
+    """One access-log line (with fields for the JSON log format), if INFO is on. An answer the client
+    never got (its connection closed first) is logged as 499, naming the status it would have had."""
     if access_log.isEnabledFor(logging.INFO):
         rid = request_id.decode(errors="replace")
         ms = (time.perf_counter() - start) * 1e3
-        access_log.info("%s %s %d %.2f ms request_id=%s", scope["method"], scope["path"], status, ms, rid,
-                        extra={"request_id": rid, "method": scope["method"], "path": scope["path"],
-                               "status": status, "duration_ms": round(ms, 3)})
+        extra = {"request_id": rid, "method": scope["method"], "path": scope["path"], "status": status,
+                 "duration_ms": round(ms, 3)}
+        note = ""
+        if scope.get(CLIENT_GONE) and status != 499:
+            extra["status"], extra["undelivered_status"] = 499, status
+            note = f" (answer {status} not delivered: the client closed the connection)"
+        access_log.info("%s %s %d %.2f ms request_id=%s%s", scope["method"], scope["path"], extra["status"], ms,
+                        rid, note, extra=extra)
 
 
 INTERNAL_ERROR = b'{"error":"internal server error; see the server log"}'

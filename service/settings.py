@@ -48,6 +48,16 @@ class Settings(BaseSettings):
     # A model that fails to load stops start-up (Triton's --exit-on-error); off, the others serve
     # and the failed one answers 503 saying why (model ready/metadata routes, /metrics).
     exit_on_error: bool = True
+    # HTTP connections (service.protocol): request line + headers over this many bytes get 431; a
+    # request head or body not fully received in time gets 408; connections past the cap get 503
+    # (0: 4096, or fewer under a lower open-file limit).
+    max_header_bytes: int = Field(32 * 1024, ge=1024)
+    header_timeout_s: float = Field(10.0, gt=0.0)
+    body_timeout_s: float = Field(30.0, gt=0.0)
+    max_connections: int = Field(0, ge=0)
+    # After the drain (or on SIGINT): how long requests still being read or answered get before the
+    # process exits anyway.
+    shutdown_timeout_s: float = Field(10.0, ge=0.0)
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
     gc_freeze: bool = True
 
