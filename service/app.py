@@ -15,11 +15,12 @@ from starlette.exceptions import HTTPException
 
 from fusedserve.service.batcher import Batcher
 from fusedserve.service.engine import LocalEngine
-from fusedserve.service.errors import ServiceError, log_unexpected
+from fusedserve.service.errors import ServiceError, log_unexpected, redact_paths
 from fusedserve.service.metrics import Metrics
-from fusedserve.service.hotpath import HotPath
+from fusedserve.service.hotpath import HotPath, route
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
 from fusedserve.service.routers import health, infer, metrics, stats, v2
+from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import LOAD_FAILED, WARMUP_FAILED, ModelInfo, ServiceState
 from fusedserve.service.stats import ServiceStats
@@ -31,7 +32,7 @@ log = logging.getLogger("fusedserve")
 def _reason(exc: Exception, settings: Settings) -> str:
     """Why a model failed, for clients: paths shown relative to the model repository, never whole."""
     root = str(settings.model_repository).rstrip(os.sep) + os.sep
-    return f"{type(exc).__name__}: {exc}".replace(root, "")
+    return redact_paths(f"{type(exc).__name__}: {exc}".replace(root, ""))
 
 
 def _load_runners(settings: Settings, sink: LayerSinks, failed: dict[str, str]) -> list:
@@ -194,16 +195,19 @@ class ServiceApp(FastAPI):
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan,
-                  summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
+    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan, **docs,
+                     summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
     state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
     app.state.service = state
     app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     state.metrics.watch_models(state.model_readiness)
-    ids = RequestIds()
-    app.hot_path = HotPath(app, state, ids)
+    ids, guard = RequestIds(), Guard(settings)
+    app.hot_path = HotPath(app, state, ids, guard)
+    # Added first, so it runs inside the request id middleware: refusals carry an id and are logged.
+    app.add_middleware(GuardMiddleware, guard=guard, is_inference=lambda path: route(path) is not None)
     app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining, ids=ids,
                        on_error=_unexpected_reporter(state))
     app.add_exception_handler(ServiceError, _service_error)

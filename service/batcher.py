@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fusedserve.kernels import rules
-from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NonFiniteOutput, NotReady
+from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NonFiniteOutput, NotReady, redact_paths
 from fusedserve.service.queue import Pending, RequestQueue
 
 
@@ -272,8 +272,9 @@ class Batcher:
             else:
                 out, compute_s = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
         except Exception as exc:  # noqa: BLE001 - every request in the batch gets it; the loop keeps serving
+            log.error("model %r failed on a batch of %d rows: %s: %s", self.runner.name, rows, type(exc).__name__, exc)
             error = BatchFailed(f"model {self.runner.name!r} failed on a batch of {rows} rows: "
-                                f"{type(exc).__name__}: {exc}")
+                                f"{type(exc).__name__}: {redact_paths(str(exc))}")
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(error)

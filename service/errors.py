@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import logging
+import re
 import traceback
 
+# An absolute path of two or more parts (or ~/...) inside an exception's text.
+_PATH = re.compile(r"(?<![\w.:/])(?:~|/[^\s'\"/]+)(?:/[^\s'\"/]+)*/([^\s'\"/]+)")
 # Frames of an unexpected error's trace that reach the log: where it failed, not 60 lines of stack.
 TRACE_FRAMES = 6
 
@@ -81,3 +84,9 @@ def log_unexpected(log: logging.Logger, what: str, exc: BaseException) -> None:
     """One log record for a bug: a line naming it, then the last ``TRACE_FRAMES`` frames only."""
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-TRACE_FRAMES, chain=False))
     log.error("%s: %s: %s\n%s", what, type(exc).__name__, exc, trace.rstrip())
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with every absolute path cut to ``.../<last part>``: error bodies go to clients, who
+    have no business learning the server's directory layout (the log keeps the whole message)."""
+    return _PATH.sub(r".../\1", text)

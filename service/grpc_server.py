@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2_grpc
 from fusedserve.service import grpc_codec, tensors
 from fusedserve.service.engine import Engine
 from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady, ServiceError, UnknownModel, log_unexpected
+from fusedserve.service.security import Guard
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo
 
@@ -115,6 +116,31 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return limit
 
 
+class KeyCheck(grpc.aio.ServerInterceptor):
+    """The HTTP API keys on gRPC (``authorization: Bearer <key>`` metadata); server health stays open,
+    repository control is an admin call."""
+
+    OPEN = frozenset({"ServerLive", "ServerReady"})
+
+    def __init__(self, guard: Guard):
+        self._guard = guard
+
+    async def intercept_service(self, continuation, details):
+        method = details.method.rsplit("/", 1)[-1]
+        if method in self.OPEN:
+            return await continuation(details)
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        refusal = self._guard.authorize("/v2/repository" if method.startswith("Repository") else "",
+                                        given.encode("latin-1") if isinstance(given, str) else given)
+        if refusal is None:
+            return await continuation(details)
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal[1])
+
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -127,6 +153,8 @@ class GrpcServer:
         self.address = _address(settings.host, settings.grpc_port)
         self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000)
         self._max_message = settings.max_body_bytes
+        guard = Guard(settings)
+        self._interceptors = [KeyCheck(guard)] if guard.keyed else []
         self._server: grpc.aio.Server | None = None
         self._stopping: asyncio.Future | None = None
 
@@ -135,7 +163,8 @@ class GrpcServer:
         # silently share its calls; off, the port must be free. Requests are capped like HTTP bodies.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                           ("grpc.max_receive_message_length", self._max_message),
-                                          ("grpc.max_send_message_length", -1)])
+                                          ("grpc.max_send_message_length", -1)],
+                                 interceptors=self._interceptors)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, server)
         try:
             server.add_insecure_port(self.address)

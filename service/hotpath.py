@@ -14,11 +14,12 @@ from fusedserve.service.inputs import dump_json, read_asgi_body
 from fusedserve.service.middleware import INTERNAL_ERROR, RequestIds, answer_headers, log_access
 from fusedserve.service.routers import infer as infer_route
 from fusedserve.service.routers import v2
+from fusedserve.service.security import WANTED, Guard
 from fusedserve.service.state import ServiceState
 
 log = logging.getLogger("fusedserve")
 _JSON, _V2_PREFIX, _V2_SUFFIX = b"application/json", "/v2/models/", "/infer"
-_WANTED = {b"content-length", TIMEOUT_HEADER.encode(), v2.HEADER_LENGTH.encode()}
+_WANTED = {b"content-length", TIMEOUT_HEADER.encode(), v2.HEADER_LENGTH.encode(), *WANTED}
 
 
 def route(path: str) -> tuple[str, str | None, str | None] | None:
@@ -38,10 +39,11 @@ def route(path: str) -> tuple[str, str | None, str | None] | None:
 class HotPath:
     """Serves the rows' routes of one app (``__call__`` says whether it took the request)."""
 
-    def __init__(self, app, state: ServiceState, ids: RequestIds):
+    def __init__(self, app, state: ServiceState, ids: RequestIds, guard: Guard):
         self.app = app  # its engine is read per request: tests and the app may swap it
         self.state = state
         self.ids = ids
+        self.guard = guard
 
     async def __call__(self, scope, receive, send) -> bool:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -50,8 +52,14 @@ class HotPath:
         if where is None:
             return False
         start, request_id = time.perf_counter(), self.ids.take(scope)
-        headers = {name.decode(): value.decode("latin-1") for name, value in scope["headers"] if name in _WANTED}
-        status, body, media_type, extra = await self._answer(where, headers, receive)
+        raw = {name: value for name, value in scope["headers"] if name in _WANTED}
+        refusal = self.guard.check("POST", scope["path"], raw, inference=True)
+        if refusal is None:
+            headers = {name.decode(): value.decode("latin-1") for name, value in raw.items()}
+            status, body, media_type, extra = await self._answer(where, headers, receive)
+        else:
+            status, message, extra = refusal
+            body, media_type = dump_json({"error": message}), _JSON
         out = [(b"content-type", media_type), (b"content-length", str(len(body)).encode()),
                *answer_headers(request_id, self.state.draining),
                *((k.encode("latin-1"), str(v).encode("latin-1")) for k, v in extra.items())]

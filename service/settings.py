@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -58,6 +58,14 @@ class Settings(BaseSettings):
     # After the drain (or on SIGINT): how long requests still being read or answered get before the
     # process exits anyway.
     shutdown_timeout_s: float = Field(10.0, ge=0.0)
+    # Security (service.security). api_key: every route but the probes needs "Authorization: Bearer
+    # <key>"; admin_api_key: the admin routes (kernel-stats reset, model control) need it instead
+    # (it opens every other route too). allowed_hosts: comma-separated Host names ("*.x" for
+    # subdomains) answered; empty = any. docs: serve /docs, /redoc and /openapi.json.
+    api_key: SecretStr | None = None
+    admin_api_key: SecretStr | None = None
+    allowed_hosts: str = ""
+    docs: bool = True
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
     gc_freeze: bool = True
 
