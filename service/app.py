@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -13,46 +12,37 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fusedserve.service.batcher import Batcher
 from fusedserve.service.engine import LocalEngine
-from fusedserve.service.errors import ServiceError, log_unexpected, redact_paths
+from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.hotpath import HotPath, route
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
-from fusedserve.service.routers import health, infer, metrics, stats, v2
+from fusedserve.service.repository import ModelControl, load_runner, reason, start_batcher
+from fusedserve.service.routers import health, infer, metrics, repository, stats, v2
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
-from fusedserve.service.state import LOAD_FAILED, WARMUP_FAILED, ModelInfo, ServiceState
+from fusedserve.service.state import LOAD_FAILED, WARMUP_FAILED, ServiceState
 from fusedserve.service.stats import ServiceStats
 from fusedserve.service.timing import LayerSinks
 
 log = logging.getLogger("fusedserve")
 
 
-def _reason(exc: Exception, settings: Settings) -> str:
-    """Why a model failed, for clients: paths shown relative to the model repository, never whole."""
-    root = str(settings.model_repository).rstrip(os.sep) + os.sep
-    return redact_paths(f"{type(exc).__name__}: {exc}".replace(root, ""))
-
-
-def _load_runners(settings: Settings, sink: LayerSinks, failed: dict[str, str]) -> list:
-    """A runner per model; with ``exit_on_error`` off, a model that fails to load is left out and
-    ``failed`` says why, else its error stops start-up."""
+def _load_runners(settings: Settings, failed: dict[str, str]) -> list:
+    """``(runner, ModelInfo)`` per model; with ``exit_on_error`` off, a model that fails to load is
+    left out and ``failed`` says why, else its error stops start-up."""
     from fusedserve import models
 
-    device = None if settings.device == "auto" else settings.device
-    backend = None if settings.backend == "auto" else settings.backend
-    runners = []
+    loaded = []
     for directory in models.model_directories(settings.model_repository):
         try:
-            model = models.load_model(directory, device=device, backend=backend)
-            runners.append(models.ModelRunner(model, max_batch_size=settings.max_batch_size, timing_sink=sink))
+            loaded.append(load_runner(settings, directory.name))
         except Exception as exc:
             if settings.exit_on_error:
                 raise
             log.error("model %r failed to load; serving the others: %s", directory.name, exc)
-            failed[directory.name] = f"{LOAD_FAILED}: {_reason(exc, settings)}"
-    return runners
+            failed[directory.name] = f"{LOAD_FAILED}: {reason(exc, settings)}"
+    return loaded
 
 
 async def _warm_up(state: ServiceState, runners: list) -> list:
@@ -64,11 +54,11 @@ async def _warm_up(state: ServiceState, runners: list) -> list:
             seconds = await asyncio.to_thread(runner.warmup)
         except Exception as exc:  # readiness reports it; the process stays up to say why
             log.exception("warm-up of %r failed", runner.name)
-            reason = _reason(exc, state.settings)
+            why = reason(exc, state.settings)
             if state.settings.exit_on_error:
-                state.startup_error = reason
+                state.startup_error = why
                 return []
-            state.failed[runner.name] = f"{WARMUP_FAILED}: {reason}"
+            state.failed[runner.name] = f"{WARMUP_FAILED}: {why}"
             state.models.pop(runner.name, None)
             state.runners.pop(runner.name, None)
             continue
@@ -87,11 +77,7 @@ async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
     state.stats.reset()
     settings = state.settings
     for runner in runners:
-        batcher = Batcher(runner, max_batch_size=settings.max_batch_size, max_delay_ms=settings.max_delay_ms,
-                          max_queue_rows=settings.max_queue_rows, recorders=(state.stats, state.metrics),
-                          inline_batch_ms=settings.inline_ms(runner.device.type))
-        batcher.start()
-        state.batchers[runner.name] = batcher
+        state.batchers[runner.name] = start_batcher(state, runner)
     if settings.gc_freeze:
         # Everything alive now (torch, the models) lives for the whole process. Frozen, the
         # collector stops re-scanning it on every full collection: on the 2-core dev machine those
@@ -121,18 +107,17 @@ async def _start_grpc(app: FastAPI):
 async def _lifespan(app: FastAPI):
     state: ServiceState = app.state.service
     # Loading errors (missing repository, bad config) stop start-up at once with their message.
-    sink = LayerSinks((state.stats, state.metrics))
-    runners = await asyncio.to_thread(_load_runners, state.settings, sink, state.failed)
+    loaded = await asyncio.to_thread(_load_runners, state.settings, state.failed)
+    runners = [runner for runner, _ in loaded]
     if state.settings.torch_threads and any(r.device.type == "cpu" for r in runners):
         import torch
 
         # Here, on the event loop's thread: OpenMP keeps a thread count per thread, and batches run
         # on this thread (inline) or on worker threads started later, which take the new default.
         torch.set_num_threads(state.settings.torch_threads)
-    for r in runners:
-        state.runners[r.name] = r
-        state.models[r.name] = ModelInfo(r.name, r.in_features, r.out_features, str(r.dtype).removeprefix("torch."),
-                                         r.backend, str(r.device))
+    for runner, info in loaded:
+        runner.timing_sink = app.state.timing_sink
+        state.runners[info.name], state.models[info.name] = runner, info
     # gRPC listens from here, like HTTP: liveness and metadata now, readiness and inference once warm.
     grpc_server = await _start_grpc(app)
     # Warm-up (autotuning, CUDA graphs) can take a while: serve liveness meanwhile, readiness after.
@@ -202,6 +187,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = state
     app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
+    app.state.timing_sink = LayerSinks((state.stats, state.metrics))
+    app.state.control = ModelControl(state, app.state.timing_sink)  # the v2 repository routes
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     state.metrics.watch_models(state.model_readiness)
     ids, guard = RequestIds(), Guard(settings)
@@ -213,6 +200,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for module in (infer, v2, stats, health, metrics):
+    for module in (infer, v2, repository, stats, health, metrics):
         app.include_router(module.router)
     return app

@@ -37,6 +37,13 @@ class NonFiniteOutput(ServiceError):
     outcome = "non_finite_output"
 
 
+class LoadFailed(ServiceError):
+    # A model control request (load, unload) that cannot be done: Triton answers 400.
+    status = 400
+    grpc_code = "INVALID_ARGUMENT"
+    outcome = "control_failed"
+
+
 class PayloadTooLarge(ServiceError):
     status = 413
     grpc_code = "INVALID_ARGUMENT"

@@ -15,7 +15,7 @@ from fusedserve.service.settings import Settings
 from fusedserve.service.stats import ServiceStats
 
 
-LOAD_FAILED, WARMUP_FAILED = "failed to load", "warm-up failed"  # how a ``failed`` reason starts
+LOAD_FAILED, WARMUP_FAILED, UNLOADED = "failed to load", "warm-up failed", "unloaded"  # how ``failed`` reasons start
 
 
 @dataclass
@@ -26,6 +26,7 @@ class ModelInfo:
     dtype: str
     backend: str
     device: str
+    version: str = "1"  # the served version (a numbered folder of the model directory, or "1")
 
 
 @dataclass
@@ -39,7 +40,8 @@ class ServiceState:
     serving: bool = False  # models loaded, warmed up, batchers running
     draining: bool = False  # SIGTERM seen: still answering, but readiness says no
     startup_error: str | None = None
-    # Models that failed to load or warm up while the others serve (``exit_on_error`` off): why.
+    # Models not served, and why: failed to load or warm up while the others serve (``exit_on_error``
+    # off), or unloaded by model control.
     failed: dict[str, str] = field(default_factory=dict)
     # Run once, on the event loop, when draining starts: each front end's own drain (gRPC's).
     drain_hooks: list[Callable[[], None]] = field(default_factory=list)
@@ -67,7 +69,8 @@ class ServiceState:
         """Per model: whether it answers requests now, and the stage it failed at (load, warmup)."""
         out = {name: (self.ready and name in self.batchers, None) for name in self.models}
         for name, reason in self.failed.items():
-            out[name] = (False, "load" if reason.startswith(LOAD_FAILED) else "warmup")
+            out[name] = (False, "load" if reason.startswith(LOAD_FAILED) else
+                         "warmup" if reason.startswith(WARMUP_FAILED) else "unloaded")
         return out
 
     @property

@@ -15,7 +15,7 @@ from fusedserve.service.errors import BadInput
 from fusedserve.service.inference import infer
 from fusedserve.service.inputs import as_array, check_rows, dump_json, parse_json, read_body
 from fusedserve.service.state import ModelInfo, ServiceState, get_state
-from fusedserve.service.tensors import OUTPUT, VERSION
+from fusedserve.service.tensors import OUTPUT
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
@@ -136,7 +136,7 @@ def decode(state: ServiceState, info: ModelInfo, body: bytes, header_length: str
 
 def encode(info: ModelInfo, req: dict, binary: bool, out: np.ndarray) -> tuple[bytes, str, dict]:
     """(body, media type, extra headers) of the answer: JSON tensors, or the binary extension."""
-    result = {"model_name": info.name, "model_version": VERSION,
+    result = {"model_name": info.name, "model_version": info.version,
               "outputs": [{"name": OUTPUT, "datatype": tensors.OUTPUT_DATATYPE, "shape": list(out.shape)}]}
     if "id" in req:
         result["id"] = req["id"]
@@ -159,7 +159,7 @@ async def model_stats(state: State, model: str, version: str | None = None) -> d
         return int(seconds * 1e9)
 
     return {"model_stats": [{
-        "name": info.name, "version": VERSION, "last_inference": c["last_inference_ms"],
+        "name": info.name, "version": info.version, "last_inference": c["last_inference_ms"],
         "inference_count": c["rows"], "execution_count": c["batches"],
         "inference_stats": {
             "success": {"count": c["success"], "ns": ns(c["success_s"])},

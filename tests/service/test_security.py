@@ -72,6 +72,8 @@ async def test_an_admin_key_guards_admin_routes_even_when_inference_is_open(app_
         assert (await s.post(*INFER)).status_code == 200
         assert (await s.c.post("/kernel-stats/reset")).status_code == 401
         assert (await s.c.post("/kernel-stats/reset", headers={"Authorization": "Bearer root"})).status_code == 200
+        assert (await s.c.post("/v2/repository/index")).status_code == 401, "model control is admin"
+        assert (await s.c.post("/v2/repository/index", headers={"Authorization": "Bearer root"})).status_code == 200
     async with app_client(admin_api_key="root", api_key="user") as s:
         user, root = {"Authorization": "Bearer user"}, {"Authorization": "Bearer root"}
         assert (await s.c.post("/kernel-stats/reset", headers=user)).status_code == 401, "a user key is not admin"
