@@ -2,14 +2,17 @@
 answered 200, and with ``exit_on_error`` off one bad model leaves the others serving while it says
 why it is not ready (v2 ready and metadata routes, /metrics)."""
 
+import grpc
 import httpx
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 from safetensors.torch import load_file, save_file
 
 from fusedserve.service.app import create_app
 from fusedserve.service.cli import parser, settings_from_args
 
 from .conftest import wait_ready
+from .test_grpc import _close, _serve
 
 
 def _poison(repository, name="wide", tensor="layers.0.weight"):
@@ -85,3 +88,16 @@ async def test_without_exit_on_error_a_failed_warm_up_leaves_the_others_serving(
 def test_exit_on_error_flag():
     assert settings_from_args(parser().parse_args(["serve", "--exit-on-error", "false"])).exit_on_error is False
     assert settings_from_args(parser().parse_args(["serve"])).exit_on_error is True
+
+
+async def test_without_exit_on_error_grpc_says_the_bad_model_is_not_ready(settings, repository):
+    _poison(repository)
+    served = await _serve(settings.model_copy(update={"exit_on_error": False}))
+    try:
+        assert not (await served.stub.ModelReady(pb.ModelReadyRequest(name="wide"))).ready
+        assert (await served.stub.ModelReady(pb.ModelReadyRequest(name="tiny"))).ready
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await served.stub.ModelMetadata(pb.ModelMetadataRequest(name="wide"))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "layers.0.weight" in caught.value.details()
+    finally:
+        await _close(served)
