@@ -25,7 +25,7 @@ _FLAGS = {
     "--inline-batch-ms": ("inline_batch_ms", float,
                           "batches faster than this skip the worker thread (default: CPU 25, CUDA 1)"),
     "--torch-threads": ("torch_threads", int, "torch threads for CPU models (default 0: torch's own)"),
-    "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
+    "--drain-grace-s": ("drain_grace_s", float, "after SIGTERM, at most this long open connections are answered (default 2)"),
     "--max-header-bytes": ("max_header_bytes", int, "request line + headers cap, 431 above (default 32 KiB)"),
     "--header-timeout-s": ("header_timeout_s", float, "deadline for a request's headers, 408 after (default 10)"),
     "--body-timeout-s": ("body_timeout_s", float, "deadline for a request's body, 408 after (default 30)"),

@@ -80,8 +80,6 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         if self._reading_head:
-            if self._timer is None:  # a new request's first bytes: its head has a deadline
-                self._arm(self.limits.header_timeout_s, "head")
             end = data.find(b"\r\n\r\n")
             self._head_bytes += len(data) if end < 0 else end + 4
             if self._head_bytes > self.limits.max_header_bytes:
@@ -89,11 +87,17 @@ class GuardedProtocol(HttpToolsProtocol):
                 self._refuse(431, f"request line and headers exceed {self.limits.max_header_bytes} bytes")
                 return
         super().data_received(data)
+        # A deadline only for a request this data left half-read: most arrive whole, and cost no timer.
+        if self._timer is None and not self._refused and not self.transport.is_closing():
+            if not self._reading_head:
+                self._arm(self.limits.body_timeout_s, "body")
+            elif self._head_bytes:
+                self._arm(self.limits.header_timeout_s, "head")
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        self._disarm()
         self._reading_head = False
-        self._arm(self.limits.body_timeout_s, "body")
         if self._close_after_answer:
             self.cycle.keep_alive = False
 

@@ -43,7 +43,8 @@ class Settings(BaseSettings):
     inline_batch_ms: float | None = Field(None, ge=0.0)
     # torch intra-op threads for CPU models; 0 = torch's default (one per physical core).
     torch_threads: int = Field(0, ge=0)
-    # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
+    # After SIGTERM (readiness false, new connections refused): at most this long open connections
+    # keep being answered; the process exits sooner once none is left (service.server).
     drain_grace_s: float = Field(2.0, ge=0.0)
     # A model that fails to load stops start-up (Triton's --exit-on-error); off, the others serve
     # and the failed one answers 503 saying why (model ready/metadata routes, /metrics).
