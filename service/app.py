@@ -96,7 +96,7 @@ async def _start_grpc(app: FastAPI):
         return None
     from fusedserve.service.grpc_server import GrpcServer  # grpc is imported only when it serves
 
-    server = GrpcServer(app.state.engine, settings)
+    server = GrpcServer(app.state.engine, settings, app.state.control)
     await server.start()
     state.drain_hooks.append(lambda: server.drain(settings.drain_grace_s))
     app.state.grpc = server

@@ -2,7 +2,8 @@
 ``grpc.aio`` server in the HTTP app's event loop. The servicer sees only an ``Engine``; a client's
 mistake is answered with the status code its ``ServiceError`` names (INVALID_ARGUMENT, NOT_FOUND,
 UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. Methods not listed here
-(streaming, model config, repository and shared-memory control) answer UNIMPLEMENTED."""
+(streaming, model config, shared-memory control) answer UNIMPLEMENTED; the repository methods are
+``ModelControl``'s, as over HTTP."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def _answers_errors(method):
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, engine: Engine, max_rows: int, timeout_s: float):
+    def __init__(self, engine: Engine, max_rows: int, timeout_s: float, control=None):
         self._engine = engine
+        self._control = control  # service.repository.ModelControl: the repository methods
         self._max_rows = max_rows
         self._timeout_s = timeout_s
         self._server_metadata = grpc_codec.server_metadata()
@@ -88,6 +90,26 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_answers_errors
     async def ModelMetadata(self, request, context):
         return grpc_codec.model_metadata(self._known(request.name, request.version))
+
+    @_answers_errors
+    async def RepositoryIndex(self, request, context):
+        models = (await self._controlled(context)).index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in models])
+
+    @_answers_errors
+    async def RepositoryModelLoad(self, request, context):
+        await (await self._controlled(context)).load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_answers_errors
+    async def RepositoryModelUnload(self, request, context):
+        await (await self._controlled(context)).unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _controlled(self, context):
+        if self._control is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "model control is not served here")
+        return self._control
 
     async def ModelInfer(self, request, context):
         engine, model = self._engine, ""  # the metrics label: a loaded model's name, never the client's
@@ -149,9 +171,10 @@ class GrpcServer:
     """The gRPC front door: ``start`` once models are loaded, ``drain`` on SIGTERM (refuse new calls
     at once, let calls in flight finish within the grace period), ``stop`` at shutdown."""
 
-    def __init__(self, engine: Engine, settings: Settings):
+    def __init__(self, engine: Engine, settings: Settings, control=None):
         self.address = _address(settings.host, settings.grpc_port)
-        self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000)
+        self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000,
+                                           control)
         self._max_message = settings.max_body_bytes
         guard = Guard(settings)
         self._interceptors = [KeyCheck(guard)] if guard.keyed else []

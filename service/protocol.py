@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import get_remote_addr
 
 from fusedserve.service.middleware import CLIENT_GONE
 
@@ -45,7 +46,7 @@ class Limits:
             self._refused[kind] = (count + 1, since)
             return
         log.warning("%s (latest client %s; %d more since the last such warning)", kind,
-                    "%s:%s" % client if client else "unknown", count)
+                    f"{client[0]}:{client[1]}" if client else "unknown", count)
         self._refused[kind] = (0, now)
 
 
@@ -69,7 +70,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         if len(self.connections) >= self.limits.max_connections:
             self.transport = transport
-            self.client = transport.get_extra_info("peername")
+            self.client = get_remote_addr(transport)
             self.limits.note(f"connection limit of {self.limits.max_connections} reached: answered 503", self.client)
             self._refuse(503, "the server is at its connection limit; retry shortly or on another replica")
             return

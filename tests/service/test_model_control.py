@@ -5,11 +5,14 @@ requests keep coming during the switch."""
 import asyncio
 
 import numpy as np
+import pytest
 import torch
+from tritonclient.utils import InferenceServerException
 
 from fusedserve import models
 
 from .conftest import IN, OUT
+from .test_grpc import _close, _serve
 
 ROW = [[0.5, -1.0, 2.0]]
 
@@ -89,3 +92,21 @@ async def test_a_broken_new_version_leaves_the_old_one_serving(client, repositor
     assert str(repository) not in r.text
     assert (await client.post("/infer", json={"model": "tiny", "inputs": ROW})).status_code == 200
     assert (await client.get("/v2/models/tiny")).json()["versions"] == ["1"]
+
+
+async def test_model_control_over_grpc(settings):
+    served = await _serve(settings)
+    try:
+        index = await served.triton.get_model_repository_index()
+        assert [(m.name, m.version, m.state) for m in index.models] == [("tiny", "1", "READY"), ("wide", "1", "READY")]
+        await served.triton.unload_model("tiny")
+        assert not await served.triton.is_model_ready("tiny")
+        index = await served.triton.get_model_repository_index()
+        assert index.models[0].state == "UNAVAILABLE" and "unloaded" in index.models[0].reason, index
+        await served.triton.load_model("tiny")
+        assert await served.triton.is_model_ready("tiny")
+        with pytest.raises(InferenceServerException) as caught:
+            await served.triton.load_model("nope")
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and "nope" in caught.value.message()
+    finally:
+        await _close(served)

@@ -143,3 +143,16 @@ def test_keys_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("FUSEDSERVE_API_KEY", "from-env")
     settings = Settings()
     assert settings.api_key.get_secret_value() == "from-env" and "from-env" not in repr(settings)
+
+
+async def test_grpc_repository_calls_need_the_admin_key(settings):
+    served = await _serve(settings.model_copy(update={"admin_api_key": "root"}))
+    try:
+        await served.stub.ModelInfer(raw_request(ROWS))  # inference stays open
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await served.stub.RepositoryIndex(pb.RepositoryIndexRequest())
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, caught.value
+        index = await served.stub.RepositoryIndex(pb.RepositoryIndexRequest(), metadata=(("authorization", "Bearer root"),))
+        assert [m.name for m in index.models] == ["tiny", "wide"]
+    finally:
+        await _close(served)
