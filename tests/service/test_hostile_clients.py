@@ -4,6 +4,7 @@ silent connections are closed, the connection cap answers 503 and logs it, a slo
 hold shutdown, and a client that leaves before its answer is logged as such."""
 
 import json
+import resource
 import signal
 import socket
 import threading
@@ -166,3 +167,13 @@ def test_the_access_log_says_whether_a_half_closed_client_got_its_answer(server,
         assert entries[0]["status"] == int(received.split(b" ", 2)[1]), (entries[0], received[:100])
     else:
         assert entries[0]["status"] == 499, entries[0]  # (the hot path may see the client leave itself)
+
+
+def test_the_default_connection_cap_stays_under_the_open_file_limit(monkeypatch):
+    # With the cap above the fd limit, accept() fails for lack of descriptors and clients are
+    # refused with no answer and no log line; under it, they get a 503 and the log says so.
+    from fusedserve.service import protocol
+
+    for soft, cap in ((1024, 960), (100_000, 4096), (resource.RLIM_INFINITY, 4096), (32, 1)):
+        monkeypatch.setattr(protocol.resource, "getrlimit", lambda _, soft=soft: (soft, soft))
+        assert protocol.default_max_connections() == cap, soft
