@@ -12,6 +12,8 @@ access_log = logging.getLogger("fusedserve.access")
 # Set in the request's scope by the HTTP protocol (service.protocol) when the connection closed
 # before the answer was written: the access log then says 499, not the status that never left.
 CLIENT_GONE = "fusedserve.client_gone"
+# Set there too when the protocol itself answered the request (408: its body came too slowly).
+ANSWERED = "fusedserve.answered"
 
 
 class RequestIds:
@@ -45,7 +47,9 @@ def log_access(scope, status: int, start: float, request_id: bytes) -> None:
         extra = {"request_id": rid, "method": scope["method"], "path": scope["path"], "status": status,
                  "duration_ms": round(ms, 3)}
         note = ""
-        if scope.get(CLIENT_GONE) and status != 499:
+        if scope.get(ANSWERED):
+            extra["status"], note = scope[ANSWERED], " (answered by the HTTP protocol: request body too slow)"
+        elif scope.get(CLIENT_GONE) and status != 499:
             extra["status"], extra["undelivered_status"] = 499, status
             note = f" (answer {status} not delivered: the client closed the connection)"
         access_log.info("%s %s %d %.2f ms request_id=%s%s", scope["method"], scope["path"], extra["status"], ms,

@@ -16,7 +16,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
-from fusedserve.service.middleware import CLIENT_GONE
+from fusedserve.service.middleware import ANSWERED, CLIENT_GONE
 
 log = logging.getLogger("fusedserve")
 LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, so it gets the answer, not a reset
@@ -157,6 +157,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.close()  # too late for a status line: the answer is being written
             return
         if what == "body" and cycle is not None:  # the app reading the body sees the client gone
+            cycle.scope[ANSWERED] = 408
             cycle.disconnected = True
             cycle.message_event.set()
         self.limits.note(f"request {what} not received within {seconds:g} s: answered 408", self.client)

@@ -77,7 +77,7 @@ def test_an_oversized_header_is_431_at_once_and_others_are_served(server):
 
 def test_a_slow_body_gets_408(server):
     sock = connect(server)
-    sock.sendall(HEAD)
+    sock.sendall(HEAD[:-2] + b"X-Request-ID: slow-body-1\r\n\r\n")
     t0 = time.perf_counter()
     try:
         for byte in BODY[:-1]:  # one byte every 0.2 s: the whole body would take ~12 s
@@ -90,6 +90,10 @@ def test_a_slow_body_gets_408(server):
     status, body = answer(sock)
     assert status == 408 and "body not received within 1 s" in body["error"], body
     assert time.perf_counter() - t0 < 3.0
+    end = time.monotonic() + 5
+    while not (entries := logged(server, request_id="slow-body-1")) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert entries and entries[0]["status"] == 408, entries  # what the client got, not the app's 499
 
 
 def test_a_slow_head_gets_408_and_a_silent_connection_is_closed(server):
