@@ -150,11 +150,14 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         cycle = self.cycle
-        if what == "head" and not self._head_bytes:  # connected, or kept alive, and said nothing
+        # No 408 where it would not be the next answer on the connection: close instead. A head's
+        # cycle is the previous request's (still being answered, if pipelined); a body's is its
+        # own, which the app may have answered already (413, 401) before the body ended.
+        if what == "head" and (not self._head_bytes or (cycle is not None and not cycle.response_complete)):
             self.transport.close()
             return
-        if cycle is not None and cycle.response_started and not cycle.response_complete:
-            self.transport.close()  # too late for a status line: the answer is being written
+        if what == "body" and cycle is not None and cycle.response_started:
+            self.transport.close()
             return
         if what == "body" and cycle is not None:  # the app reading the body sees the client gone
             cycle.scope[ANSWERED] = 408

@@ -181,3 +181,16 @@ def test_the_default_connection_cap_stays_under_the_open_file_limit(monkeypatch)
     for soft, cap in ((1024, 960), (100_000, 4096), (resource.RLIM_INFINITY, 4096), (32, 1)):
         monkeypatch.setattr(protocol.resource, "getrlimit", lambda _, soft=soft: (soft, soft))
         assert protocol.default_max_connections() == cap, soft
+
+
+def test_a_body_left_unfinished_after_its_answer_is_closed_without_a_second_answer(server):
+    # The app answers 413 as soon as a body passes the cap; the client then stops sending. The
+    # body deadline must close the connection, not write a 408 the client would take as the
+    # answer to its next request.
+    sock = connect(server)
+    sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 99999999\r\n\r\n" + b"[" * 4096)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 413") and data.count(b"HTTP/1.1") == 1, data[:300]
