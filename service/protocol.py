@@ -20,7 +20,7 @@ from fusedserve.service.middleware import ANSWERED, CLIENT_GONE
 
 log = logging.getLogger("fusedserve")
 LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, so it gets the answer, not a reset
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
 def default_max_connections() -> int:
@@ -135,6 +135,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._close_after_answer = True
         if self.cycle is not None:
             self.cycle.keep_alive = False
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to bytes that are not HTTP/1.1, as JSON like every other error.
+        self._refuse(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")
 
     def _arm(self, seconds: float, what: str) -> None:
         self._disarm()

@@ -194,3 +194,10 @@ def test_a_body_left_unfinished_after_its_answer_is_closed_without_a_second_answ
     while chunk := sock.recv(65536):
         data += chunk
     assert data.startswith(b"HTTP/1.1 413") and data.count(b"HTTP/1.1") == 1, data[:300]
+
+
+def test_bytes_that_are_not_http_get_a_json_400(server):
+    sock = connect(server)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+    status, body = answer(sock)
+    assert status == 400 and "not valid HTTP/1.1" in body["error"], body
