@@ -19,7 +19,14 @@ from fusedserve.service.state import ServiceState
 
 log = logging.getLogger("fusedserve")
 _JSON, _V2_PREFIX, _V2_SUFFIX = b"application/json", "/v2/models/", "/infer"
-_WANTED = {b"content-length", TIMEOUT_HEADER.encode(), v2.HEADER_LENGTH.encode(), *WANTED}
+_TIMEOUT, _HEADER_LENGTH = TIMEOUT_HEADER.encode(), v2.HEADER_LENGTH.encode()
+_WANTED = {b"content-length", _TIMEOUT, _HEADER_LENGTH, *WANTED}
+
+
+def _text(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    """A header's value as text (decoded only when read: most requests carry few of them)."""
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")
 
 
 def route(path: str) -> tuple[str, str | None, str | None] | None:
@@ -55,8 +62,7 @@ class HotPath:
         raw = {name: value for name, value in scope["headers"] if name in _WANTED}
         refusal = self.guard.check("POST", scope["path"], raw, inference=True)
         if refusal is None:
-            headers = {name.decode(): value.decode("latin-1") for name, value in raw.items()}
-            status, body, media_type, extra = await self._answer(where, headers, receive)
+            status, body, media_type, extra = await self._answer(where, raw, receive)
         else:
             status, message, extra = refusal
             body, media_type = dump_json({"error": message}), _JSON
@@ -76,14 +82,14 @@ class HotPath:
             kind, name, version = where
             info = v2.model_info(state, name, version) if kind == "v2" else None
             model = info.name if info is not None else ""
-            raw = await read_asgi_body(receive, headers.get("content-length"), state.settings.max_body_bytes)
+            raw = await read_asgi_body(receive, _text(headers, b"content-length"), state.settings.max_body_bytes)
             if kind == "infer":
                 info, inputs = infer_route.parse(state, raw)
                 model = info.name
                 x = infer_route.rows(state, info, inputs)
             else:
-                req, x, binary = v2.decode(state, info, raw, headers.get(v2.HEADER_LENGTH))
-            out = await run_rows(engine, info.name, x, timeout_s(state, headers.get(TIMEOUT_HEADER)), receive)
+                req, x, binary = v2.decode(state, info, raw, _text(headers, _HEADER_LENGTH))
+            out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive)
             if kind == "infer":
                 return 200, infer_route.encode(info, out), _JSON, {}
             body, media_type, extra = v2.encode(info, req, binary, out)

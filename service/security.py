@@ -35,10 +35,13 @@ class Guard:
     def __init__(self, settings: Settings):
         self._api, self._admin = _bearer(settings.api_key), _bearer(settings.admin_api_key)
         self._hosts = frozenset(h.strip().lower() for h in settings.allowed_hosts.split(",") if h.strip())
+        self._open = not (self._hosts or self.keyed)  # then only inference's Content-Type is checked
 
     def check(self, method: str, path: str, headers: dict[bytes, bytes], inference: bool) -> Refusal | None:
         """None if the request may go on, else ``(status, message, headers)`` to answer it with.
         ``headers``: at least the ``WANTED`` ones, lower-case names, as sent."""
+        if self._open and not inference:
+            return None
         if path in PROBES:
             return None
         if self._hosts and not self._host_allowed(headers.get(b"host", b"")):
@@ -49,7 +52,7 @@ class Guard:
                 return refusal
         if inference and method == "POST":
             kind = headers.get(b"content-type")
-            if kind is not None and kind.split(b";", 1)[0].strip().decode("latin-1").lower() not in BODY_TYPES:
+            if kind is not None and kind != b"application/json" and kind.split(b";", 1)[0].strip().decode("latin-1").lower() not in BODY_TYPES:
                 return 415, (f"Content-Type {kind.decode('latin-1')!r} is not accepted: send application/json "
                              "(or application/octet-stream with Inference-Header-Content-Length)"), {}
         return None
