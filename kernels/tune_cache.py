@@ -5,8 +5,10 @@ One JSON file per GPU model, Triton version and tuner version, in ``$FUSEDSERVE_
 timings by compiler hash under its kernel cache, with no directory of its own to point at.)
 """
 
+import fcntl
 import functools
 import json
+import logging
 import os
 import re
 import tempfile
@@ -14,6 +16,8 @@ import threading
 from pathlib import Path
 
 import triton
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "FUSEDSERVE_TUNE_CACHE"
 # Part of the file name: bumped when candidates or the timing method change, so choices made by an
@@ -43,23 +47,36 @@ def reload_all() -> None:
 _device_names: set[str] = set()
 
 
+def _parse(path: Path) -> dict:
+    """The file's entries ({key: config object}); ValueError or OSError if it cannot be read as such."""
+    with open(path, "rb") as f:
+        data = json.loads(f.read().decode("utf-8"))
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError("not a JSON object of config objects")
+    return data
+
+
 class TuneCache:
-    """Tuned configs for one device model: in memory, backed by a JSON file."""
+    """Tuned configs for one device model: in memory, backed by a JSON file that every process of
+    the machine shares. A cache that cannot be read or written is a warning, never an error:
+    tuning then lives in memory for this process (serving must not wait on a cache file)."""
 
     def __init__(self, device_name: str, directory=None):
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name)
         self.path = Path(directory or cache_dir()) / f"{slug}-triton-{triton.__version__}-tuner{TUNER_VERSION}.json"
         self._lock = threading.Lock()
+        self._writable = True
         self._configs = self._read()
 
     def _read(self) -> dict:
         if not self.path.exists():
             return {}
         try:
-            with open(self.path) as f:
-                return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"tune cache {self.path} is not valid JSON ({e}); delete it to re-tune") from e
+            return _parse(self.path)
+        except (OSError, ValueError) as exc:  # JSON, UTF-8 and shape errors are all ValueError
+            log.warning("tune cache %s is unreadable (%s): tuning in memory; it is rewritten at the next "
+                        "tuning, or delete it", self.path, exc)
+            return {}
 
     def reload(self) -> None:
         """Add what the file holds now (written by another process) to what this one knows."""
@@ -70,11 +87,42 @@ class TuneCache:
         return self._configs.get(key)
 
     def put(self, key: str, config: dict) -> None:
-        """Store a config and rewrite the file atomically (a crash never leaves half a file)."""
+        """Store a config, and merge it into the file under a lock shared with other processes."""
         with self._lock:
             self._configs[key] = dict(config)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._configs, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            if not self._writable:
+                return
+            try:
+                self._write_merged()
+            except OSError as exc:
+                self._writable = False  # said once; this process keeps its tuning in memory
+                log.warning("cannot write tune cache %s (%s): tuning stays in memory for this process",
+                            self.path, exc)
+
+    def _write_merged(self) -> None:
+        """Under an exclusive lock on a sidecar file: read what other processes wrote, add ours, write
+        to a temporary file, fsync it, rename it over the cache (atomic), fsync the directory."""
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            try:
+                on_disk = _parse(self.path) if self.path.exists() else {}
+            except ValueError:  # a broken file is replaced by a good one
+                on_disk = {}
+            self._configs = {**on_disk, **self._configs}
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=self.path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self._configs, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the rename itself survives a power cut
+            finally:
+                os.close(dir_fd)

@@ -1,6 +1,6 @@
 """MLP models built from fused linear layers: definition, loading, running, the shipped repository."""
 
-from fusedserve.models.loading import DEFAULT_REPOSITORY, load_model, load_repository, save_model
+from fusedserve.models.loading import DEFAULT_REPOSITORY, latest_version, load_model, load_repository, model_directories, save_model
 from fusedserve.models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
 from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models.runner import ModelRunner
@@ -15,8 +15,10 @@ __all__ = [
     "MLPConfig",
     "ModelRunner",
     "batch_buckets",
+    "latest_version",
     "load_model",
     "load_repository",
+    "model_directories",
     "save_model",
     "warm_up",
 ]

@@ -91,14 +91,26 @@ def read_tensors(directory: Path, model: MLP) -> dict[str, torch.Tensor]:
                              f"{CONFIG_FILE} implies {tuple(want.shape)}")
         if not got.is_floating_point():
             raise ValueError(f"{path}: tensor {name!r} has dtype {got.dtype}, expected floats")
+        check_finite(got, name, path)
     return tensors
 
 
-def load_model(path, device=None, backend=None) -> MLP:
+def check_finite(tensor: torch.Tensor, name: str, where) -> None:
+    """ValueError naming ``name`` and its first bad element if ``tensor`` holds NaN or Infinity: such
+    weights make every answer NaN (served as JSON nulls)."""
+    bad = ~torch.isfinite(tensor)
+    if bad.any():
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{where}: tensor {name!r} holds {int(bad.sum())} NaN or infinite value(s), first at "
+                         f"{list(index)} ({tensor[index].item()}) in {tensor.dtype}; fix the weights")
+
+
+def load_model(path, device=None, backend=None, name: str | None = None) -> MLP:
     """Load one model directory; returns the ``MLP`` in eval mode on ``device``.
 
     ``device``: None = CUDA if available else CPU. ``backend``: "triton" (default on CUDA) or
-    "torch" (default on CPU); "triton" on CPU needs ``TRITON_INTERPRET=1``.
+    "torch" (default on CPU); "triton" on CPU needs ``TRITON_INTERPRET=1``. ``name``: the model's
+    name (default: the directory's; a version folder passes its model's).
     """
     directory = Path(path)
     if not directory.is_dir():
@@ -106,11 +118,16 @@ def load_model(path, device=None, backend=None) -> MLP:
     device = resolve_device(device)
     backend = resolve_backend(backend, device)
     config = read_config(directory)
-    model = MLP(config, backend=backend, device="meta", name=directory.name)
+    name = name or directory.name
+    model = MLP(config, backend=backend, device="meta", name=name)
     tensors = read_tensors(directory, model)
-    model = MLP(config, backend=backend, device=device, name=directory.name)
-    # Weights take the config's dtype; the normalization buffers stay float32 (see MLP).
-    model.load_state_dict({name: t.to(model.state_dict()[name].dtype) for name, t in tensors.items()})
+    model = MLP(config, backend=backend, device=device, name=name)
+    # Weights take the config's dtype; the normalization buffers stay float32 (see MLP). A float32
+    # weight past float16's 65504 turns infinite there: refused like an infinite one.
+    cast = {name: t.to(model.state_dict()[name].dtype) for name, t in tensors.items()}
+    for name, t in cast.items():
+        check_finite(t, name, f"{directory / WEIGHTS_FILE} (as {config.dtype})")
+    model.load_state_dict(cast)
     log.info("loaded model %r from %s: widths %s, %s, device %s, backend %s",
              model.name, directory, config.widths, config.dtype, device, backend)
     return model.eval().requires_grad_(False)
@@ -133,11 +150,36 @@ def load_repository(path=None, device=None, backend=None) -> dict[str, MLP]:
 
     ``path`` None = the shipped ``DEFAULT_REPOSITORY``. Returns ``{name: model}`` sorted by name.
     """
+    return {d.name: load_model(latest_version(d)[1], device=device, backend=backend, name=d.name)
+            for d in model_directories(path)}
+
+
+def versions(directory: Path) -> dict[str, Path]:
+    """A model directory's versions, as Triton lays them out: numbered subfolders (``<model>/2/``)
+    each holding a model, or else the directory itself as version "1"."""
+    numbered = {d.name: d for d in directory.iterdir() if d.name.isdigit() and (d / CONFIG_FILE).is_file()}
+    if numbered:
+        return dict(sorted(numbered.items(), key=lambda item: int(item[0])))
+    return {"1": directory} if (directory / CONFIG_FILE).is_file() else {}
+
+
+def latest_version(directory: Path) -> tuple[str, Path]:
+    """The highest version of a model directory and the folder that holds it (what is served)."""
+    found = versions(directory)
+    if not found:
+        raise FileNotFoundError(f"model {directory.name!r} has no {CONFIG_FILE}, at its top or in a "
+                                "numbered version folder")
+    return next(reversed(found.items()))
+
+
+def model_directories(path=None) -> list[Path]:
+    """The model directories (subfolders holding a model or numbered versions of one) of a
+    repository, sorted by name."""
     root = Path(DEFAULT_REPOSITORY if path is None else path)
     if not root.is_dir():
         raise FileNotFoundError(f"model repository not found: {root}")
-    directories = sorted(d for d in root.iterdir() if (d / CONFIG_FILE).is_file())
+    directories = sorted(d for d in root.iterdir() if d.is_dir() and versions(d))
     if not directories:
         raise ValueError(f"model repository {root} holds no model: expected subfolders with "
                          f"{CONFIG_FILE} and {WEIGHTS_FILE}")
-    return {d.name: load_model(d, device=device, backend=backend) for d in directories}
+    return directories

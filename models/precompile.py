@@ -31,9 +31,19 @@ def default_workers() -> int:
 
 def warm_up(runners, parallel: bool = True, max_workers: int | None = None) -> dict[str, dict[int, float]]:
     """Warm every runner (``ModelRunner.warmup``); ``{model: {bucket: seconds}}``."""
+    seconds = compile_ahead(runners, max_workers) if parallel else {r.name: {} for r in runners}
+    for runner in runners:
+        seconds[runner.name].update(runner.warmup())
+    return seconds
+
+
+def compile_ahead(runners, max_workers: int | None = None) -> dict[str, dict[int, float]]:
+    """Warm the first CUDA bucket that needs tuning; if its launches found Triton's cache cold,
+    compile the other buckets' kernels in worker processes at once. ``{model: {bucket: seconds}}``
+    of what it warmed; ``ModelRunner.warmup`` does the rest."""
     jobs = [(r, b) for r in runners if r.device.type == "cuda" for b in r.buckets if r.needs_tuning(b)]
     seconds: dict[str, dict[int, float]] = {r.name: {} for r in runners}
-    if parallel and len(jobs) > 1:
+    if len(jobs) > 1:
         runner, bucket = jobs[0]
         seconds[runner.name][bucket] = runner.warm(bucket)
         cold = runner.startup_seconds["compile"] > COLD_COMPILE_S
@@ -41,8 +51,6 @@ def warm_up(runners, parallel: bool = True, max_workers: int | None = None) -> d
             "compile"], "cold, compiling the rest in parallel" if cold else "warm")
         if cold:
             precompile(jobs[1:], max_workers or default_workers())
-    for runner in runners:
-        seconds[runner.name].update(runner.warmup())
     return seconds
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fusedserve.kernels import rules
-from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NotReady
+from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NonFiniteOutput, NotReady, redact_paths
 from fusedserve.service.queue import Pending, RequestQueue
 
 
@@ -272,18 +272,24 @@ class Batcher:
             else:
                 out, compute_s = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
         except Exception as exc:  # noqa: BLE001 - every request in the batch gets it; the loop keeps serving
+            log.error("model %r failed on a batch of %d rows: %s: %s", self.runner.name, rows, type(exc).__name__, exc)
             error = BatchFailed(f"model {self.runner.name!r} failed on a batch of {rows} rows: "
-                                f"{type(exc).__name__}: {exc}")
+                                f"{type(exc).__name__}: {redact_paths(str(exc))}")
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(error)
             return inline
         self._where.measured(bucket, compute_s)
+        # One pass over the outputs; only a batch with a NaN or Infinity looks row by row.
+        bad = None if np.isfinite(out).all() else ~np.isfinite(out).all(axis=1)
         start = 0
         for item in batch:
             stop = start + item.x.shape[0]
             if not item.future.done():
-                item.future.set_result(out[start:stop])
+                if bad is not None and bad[start:stop].any():
+                    item.future.set_exception(self._non_finite(bad[start:stop]))
+                else:
+                    item.future.set_result(out[start:stop])
             start = stop
         # Answers first: a failing stats hook must neither hold them back nor end the batch loop.
         for recorder in self._recorders:
@@ -292,6 +298,11 @@ class Batcher:
             except Exception:
                 log.exception("recording a batch of model %r failed", self.runner.name)
         return inline
+
+    def _non_finite(self, bad_rows: np.ndarray) -> NonFiniteOutput:
+        row = int(np.argmax(bad_rows))
+        return NonFiniteOutput(f"model {self.runner.name!r} computed NaN or Infinity for row {row} of this request: "
+                               "its values overflow the model's dtype; send smaller (normalized) inputs")
 
     def _run(self, x: np.ndarray) -> tuple[np.ndarray, float]:
         """The runner's output for ``x`` and its wall time, measured where it runs (no hand-off)."""

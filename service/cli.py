@@ -35,7 +35,19 @@ _FLAGS = {
     "--inline-batch-ms": ("inline_batch_ms", float,
                           "batches faster than this skip the worker thread (default: CPU 25, CUDA 1)"),
     "--torch-threads": ("torch_threads", int, "torch threads for CPU models (default 0: torch's own)"),
-    "--drain-grace-s": ("drain_grace_s", float, "seconds to keep answering after SIGTERM (default 2)"),
+    "--drain-grace-s": ("drain_grace_s", float, "after SIGTERM, at most this long open connections are answered (default 2)"),
+    "--max-header-bytes": ("max_header_bytes", int, "request line + headers cap, 431 above (default 32 KiB)"),
+    "--header-timeout-s": ("header_timeout_s", float, "deadline for a request's headers, 408 after (default 10)"),
+    "--body-timeout-s": ("body_timeout_s", float, "deadline for a request's body, 408 after (default 30)"),
+    "--max-connections": ("max_connections", int, "open HTTP connections, 503 above (default 0: 4096 or the fd limit)"),
+    "--shutdown-timeout-s": ("shutdown_timeout_s", float,
+                             "after the drain, the most seconds left for requests in progress (default 10)"),
+    "--api-key": ("api_key", str, "require Authorization: Bearer <key> on all but the probes (prefer the env var)"),
+    "--admin-api-key": ("admin_api_key", str, "key for admin routes (kernel-stats reset, model control)"),
+    "--allowed-hosts": ("allowed_hosts", str, "comma-separated Host names to answer ('*.example.com' ok); empty: any"),
+    "--docs": ("docs", str, "true: serve /docs and /openapi.json; false: turn them off"),
+    # Booleans go to Settings as text: pydantic reads true/false, 1/0, yes/no, on/off.
+    "--exit-on-error": ("exit_on_error", str, "true: a model that fails to load stops start-up; false: serve the rest"),
     "--background-tuning": ("background_tuning", _on_off,
                             "on/off: tune provisional kernel choices after ready (default on)"),
     "--parallel-compile": ("parallel_compile", _on_off,
@@ -66,16 +78,12 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace, settings) -> None:
-    import uvicorn
-
     from fusedserve.service.app import create_app
-    from fusedserve.service.server import DrainingServer
+    from fusedserve.service.server import DrainingServer, uvicorn_config
 
     configure(args.log_level, args.log_format)
     app = create_app(settings)
-    # Our middleware writes the access log, with the request id; uvicorn's own would repeat it.
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                            lifespan="on", access_log=False, log_config=None)
+    config = uvicorn_config(app, settings, args.log_level)
     DrainingServer(config, app.state.service, settings.drain_grace_s).run()
 
 

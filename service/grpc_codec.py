@@ -13,7 +13,7 @@ from fusedserve.service import tensors
 from fusedserve.service.errors import BadInput
 from fusedserve.service.inputs import check_rows
 from fusedserve.service.state import ModelInfo
-from fusedserve.service.tensors import OUTPUT, VERSION
+from fusedserve.service.tensors import OUTPUT
 
 # The InferTensorContents field that carries each datatype's typed values (FP16 has none: raw only).
 TYPED_FIELDS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_contents",
@@ -36,7 +36,10 @@ def _typed_values(spec, dtype: np.dtype) -> np.ndarray:
             raise BadInput("inputs[0] has no data: send its values in contents.fp32_contents or raw_input_contents")
         raise BadInput(f"inputs[0] is {spec.datatype}, whose values go in contents.{field}; "
                        f"got contents.{', contents.'.join(sent)}")
-    return np.array(values, dtype=dtype)
+    try:
+        return np.array(values, dtype=dtype)
+    except OverflowError:  # e.g. 300 in int_contents of an INT8 input
+        raise BadInput(f"inputs[0] holds values outside the range of {spec.datatype}") from None
 
 
 def _raw_output(request, raw_input: bool) -> bool:
@@ -84,10 +87,10 @@ def encode(request, info: ModelInfo, out: np.ndarray, raw: bool):
     out = np.ascontiguousarray(out, dtype=np.float32)
     tensor = pb.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype=tensors.OUTPUT_DATATYPE, shape=out.shape)
     if raw:
-        return pb.ModelInferResponse(model_name=info.name, model_version=VERSION, id=request.id,
+        return pb.ModelInferResponse(model_name=info.name, model_version=info.version, id=request.id,
                                      outputs=[tensor], raw_output_contents=[out.tobytes()])
     tensor.contents.fp32_contents.extend(out.ravel().tolist())
-    return pb.ModelInferResponse(model_name=info.name, model_version=VERSION, id=request.id, outputs=[tensor])
+    return pb.ModelInferResponse(model_name=info.name, model_version=info.version, id=request.id, outputs=[tensor])
 
 
 def model_metadata(info: ModelInfo):

@@ -2,7 +2,8 @@
 ``grpc.aio`` server in the HTTP app's event loop. The servicer sees only an ``Engine``; a client's
 mistake is answered with the status code its ``ServiceError`` names (INVALID_ARGUMENT, NOT_FOUND,
 UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. Methods not listed here
-(streaming, model config, repository and shared-memory control) answer UNIMPLEMENTED."""
+(streaming, model config, shared-memory control) answer UNIMPLEMENTED; the repository methods are
+``ModelControl``'s, as over HTTP."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tritonclient.grpc import service_pb2_grpc
 
 from fusedserve.service import grpc_codec, tensors
 from fusedserve.service.engine import Engine
-from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady, ServiceError, UnknownModel
+from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady, ServiceError, UnknownModel, log_unexpected
+from fusedserve.service.security import Guard
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo
 
@@ -28,8 +30,8 @@ CODES = {code.name: code for code in grpc.StatusCode}
 async def _abort(context, engine: Engine, model: str, exc: Exception):
     """Answer ``exc`` as a status: a ServiceError with its own code, anything else INTERNAL (logged)."""
     if not isinstance(exc, ServiceError):
-        log.error("gRPC call failed", exc_info=exc)
-        exc = ServiceError(f"internal error: {type(exc).__name__}: {exc}")
+        log_unexpected(log, "gRPC call failed", exc)
+        exc = ServiceError("internal error; see the server log")
     engine.record_error(model, exc.outcome)
     await context.abort(CODES[exc.grpc_code], exc.message)
 
@@ -48,8 +50,9 @@ def _answers_errors(method):
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, engine: Engine, max_rows: int, timeout_s: float):
+    def __init__(self, engine: Engine, max_rows: int, timeout_s: float, control=None):
         self._engine = engine
+        self._control = control  # service.repository.ModelControl: the repository methods
         self._max_rows = max_rows
         self._timeout_s = timeout_s
         self._server_metadata = grpc_codec.server_metadata()
@@ -59,6 +62,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         models = self._engine.models()
         info = models.get(name)
         if info is None:
+            if self._engine.ready():  # NotReady saying why for a model that failed, else UnknownModel
+                self._engine.model(name)
             if not models:
                 raise NotReady("the server is starting: no model is loaded yet")
             raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(models)}")
@@ -76,12 +81,35 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_answers_errors
     async def ModelReady(self, request, context):
-        self._known(request.name, request.version)
+        try:
+            self._known(request.name, request.version)
+        except NotReady:  # a model that failed to load or warm up: not ready (its metadata says why)
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self._engine.ready())
 
     @_answers_errors
     async def ModelMetadata(self, request, context):
         return grpc_codec.model_metadata(self._known(request.name, request.version))
+
+    @_answers_errors
+    async def RepositoryIndex(self, request, context):
+        models = (await self._controlled(context)).index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**m) for m in models])
+
+    @_answers_errors
+    async def RepositoryModelLoad(self, request, context):
+        await (await self._controlled(context)).load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_answers_errors
+    async def RepositoryModelUnload(self, request, context):
+        await (await self._controlled(context)).unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _controlled(self, context):
+        if self._control is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "model control is not served here")
+        return self._control
 
     async def ModelInfer(self, request, context):
         engine, model = self._engine, ""  # the metrics label: a loaded model's name, never the client's
@@ -110,6 +138,31 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return limit
 
 
+class KeyCheck(grpc.aio.ServerInterceptor):
+    """The HTTP API keys on gRPC (``authorization: Bearer <key>`` metadata); server health stays open,
+    repository control is an admin call."""
+
+    OPEN = frozenset({"ServerLive", "ServerReady"})
+
+    def __init__(self, guard: Guard):
+        self._guard = guard
+
+    async def intercept_service(self, continuation, details):
+        method = details.method.rsplit("/", 1)[-1]
+        if method in self.OPEN:
+            return await continuation(details)
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        refusal = self._guard.authorize("/v2/repository" if method.startswith("Repository") else "",
+                                        given.encode("latin-1") if isinstance(given, str) else given)
+        if refusal is None:
+            return await continuation(details)
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal[1])
+
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
@@ -118,10 +171,13 @@ class GrpcServer:
     """The gRPC front door: ``start`` once models are loaded, ``drain`` on SIGTERM (refuse new calls
     at once, let calls in flight finish within the grace period), ``stop`` at shutdown."""
 
-    def __init__(self, engine: Engine, settings: Settings):
+    def __init__(self, engine: Engine, settings: Settings, control=None):
         self.address = _address(settings.host, settings.grpc_port)
-        self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000)
+        self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000,
+                                           control)
         self._max_message = settings.max_body_bytes
+        guard = Guard(settings)
+        self._interceptors = [KeyCheck(guard)] if guard.keyed else []
         self._server: grpc.aio.Server | None = None
         self._stopping: asyncio.Future | None = None
 
@@ -130,7 +186,8 @@ class GrpcServer:
         # silently share its calls; off, the port must be free. Requests are capped like HTTP bodies.
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                           ("grpc.max_receive_message_length", self._max_message),
-                                          ("grpc.max_send_message_length", -1)])
+                                          ("grpc.max_send_message_length", -1)],
+                                 interceptors=self._interceptors)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, server)
         try:
             server.add_insecure_port(self.address)

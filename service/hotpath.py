@@ -8,17 +8,25 @@ from __future__ import annotations
 import logging
 import time
 
-from fusedserve.service.errors import ServiceError
+from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.inference import TIMEOUT_HEADER, run_rows, timeout_s
 from fusedserve.service.inputs import dump_json, read_asgi_body
-from fusedserve.service.middleware import RequestIds, answer_headers, log_access
+from fusedserve.service.middleware import INTERNAL_ERROR, RequestIds, answer_headers, log_access
 from fusedserve.service.routers import infer as infer_route
 from fusedserve.service.routers import v2
+from fusedserve.service.security import WANTED, Guard
 from fusedserve.service.state import ServiceState
 
 log = logging.getLogger("fusedserve")
 _JSON, _V2_PREFIX, _V2_SUFFIX = b"application/json", "/v2/models/", "/infer"
-_WANTED = {b"content-length", TIMEOUT_HEADER.encode(), v2.HEADER_LENGTH.encode()}
+_TIMEOUT, _HEADER_LENGTH = TIMEOUT_HEADER.encode(), v2.HEADER_LENGTH.encode()
+_WANTED = {b"content-length", _TIMEOUT, _HEADER_LENGTH, *WANTED}
+
+
+def _text(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    """A header's value as text (decoded only when read: most requests carry few of them)."""
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")
 
 
 def route(path: str) -> tuple[str, str | None, str | None] | None:
@@ -38,10 +46,11 @@ def route(path: str) -> tuple[str, str | None, str | None] | None:
 class HotPath:
     """Serves the rows' routes of one app (``__call__`` says whether it took the request)."""
 
-    def __init__(self, app, state: ServiceState, ids: RequestIds):
+    def __init__(self, app, state: ServiceState, ids: RequestIds, guard: Guard):
         self.app = app  # its engine is read per request: tests and the app may swap it
         self.state = state
         self.ids = ids
+        self.guard = guard
 
     async def __call__(self, scope, receive, send) -> bool:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -50,8 +59,13 @@ class HotPath:
         if where is None:
             return False
         start, request_id = time.perf_counter(), self.ids.take(scope)
-        headers = {name.decode(): value.decode("latin-1") for name, value in scope["headers"] if name in _WANTED}
-        status, body, media_type, extra = await self._answer(where, headers, receive)
+        raw = {name: value for name, value in scope["headers"] if name in _WANTED}
+        refusal = self.guard.check("POST", scope["path"], raw, inference=True)
+        if refusal is None:
+            status, body, media_type, extra = await self._answer(where, raw, receive)
+        else:
+            status, message, extra = refusal
+            body, media_type = dump_json({"error": message}), _JSON
         out = [(b"content-type", media_type), (b"content-length", str(len(body)).encode()),
                *answer_headers(request_id, self.state.draining),
                *((k.encode("latin-1"), str(v).encode("latin-1")) for k, v in extra.items())]
@@ -68,14 +82,14 @@ class HotPath:
             kind, name, version = where
             info = v2.model_info(state, name, version) if kind == "v2" else None
             model = info.name if info is not None else ""
-            raw = await read_asgi_body(receive, headers.get("content-length"), state.settings.max_body_bytes)
+            raw = await read_asgi_body(receive, _text(headers, b"content-length"), state.settings.max_body_bytes)
             if kind == "infer":
                 info, inputs = infer_route.parse(state, raw)
                 model = info.name
                 x = infer_route.rows(state, info, inputs)
             else:
-                req, x, binary = v2.decode(state, info, raw, headers.get(v2.HEADER_LENGTH))
-            out = await run_rows(engine, info.name, x, timeout_s(state, headers.get(TIMEOUT_HEADER)), receive)
+                req, x, binary = v2.decode(state, info, raw, _text(headers, _HEADER_LENGTH))
+            out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive)
             if kind == "infer":
                 return 200, infer_route.encode(info, out), _JSON, {}
             body, media_type, extra = v2.encode(info, req, binary, out)
@@ -83,7 +97,8 @@ class HotPath:
         except ServiceError as exc:
             engine.record_error(model, exc.outcome)
             return exc.status, dump_json({"error": exc.message}), _JSON, exc.headers
-        except Exception:  # a bug, not the client's: logged, and answered rather than dropped
-            log.exception("request to %s failed", where)
+        except Exception as exc:  # a bug, not the client's: logged, and answered rather than dropped
+            log_unexpected(log, f"POST {'/infer' if where[0] == 'infer' else 'v2 infer'} failed", exc)
             engine.record_error(model, "error")
-            return 500, dump_json({"error": "internal server error; see the server log"}), _JSON, {}
+            state.metrics.unexpected.labels("http").inc()
+            return 500, INTERNAL_ERROR, _JSON, {}

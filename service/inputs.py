@@ -23,7 +23,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def read_asgi_body(receive, declared: str | None, limit: int) -> bytes:
     """The body from ASGI ``receive`` (``declared``: its Content-Length header), refusing (413) one
     longer than ``limit`` bytes before reading it all; ClientGone if the client leaves first."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit; "
                               "send fewer rows per request")
     chunks, size = [], 0
@@ -49,13 +49,25 @@ def parse_json(body: bytes) -> object:
         raise BadInput("empty request body: send a JSON object")
     try:
         return orjson.loads(body)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):  # orjson stops at 1024 levels; no request needs more than 3
+            raise BadInput(f"request body is nested too deeply: {exc}") from None
         # orjson refuses some valid JSON (numbers beyond float64 or int64 range): the standard library
         # decides. On a real error it also says where, and names a NaN or Infinity (as BadInput).
         try:
             return json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadInput(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadInput("request body is nested too deeply") from None
+
+
+def as_array(values: object, where: str, expect: str) -> np.ndarray:
+    """``np.array(values)``, or BadInput when they are ragged or nested past numpy's dimensions."""
+    try:
+        return np.array(values)
+    except (ValueError, RecursionError):
+        raise BadInput(f"{where} must be {expect}, nested evenly (no ragged rows)") from None
 
 
 def dump_json(payload: dict) -> bytes:
@@ -92,10 +104,7 @@ def rows_from_json(value: object, where: str, in_features: int, max_rows: int) -
         raise BadInput(f"{where} must be a list of rows of numbers, got {type(value).__name__}")
     if not value:
         raise BadInput(f"{where} is empty: send at least one row of {in_features} numbers")
-    try:
-        x = np.array(value)
-    except ValueError:
-        raise BadInput(f"{where} must be a rectangular list of rows, all of {in_features} numbers") from None
+    x = as_array(value, where, f"a rectangular list of rows, all of {in_features} numbers")
     if x.dtype.kind not in "iuf":
         raise BadInput(f"{where} must hold only numbers (no strings, booleans, nulls or ragged rows), "
                        f"each row {in_features} numbers")

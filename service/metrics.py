@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -35,6 +35,26 @@ class _QueuedRows:
         yield family
 
 
+class _ModelReadiness:
+    """``fusedserve_model_ready`` (1: answers requests) and ``fusedserve_model_failed`` (by stage: load
+    or warmup), read from ``read() -> {model: (ready, failed stage or None)}`` at each scrape."""
+
+    def __init__(self, read: Callable[[], Mapping[str, tuple[bool, str | None]]]):
+        self._read = read
+
+    def collect(self):
+        ready = GaugeMetricFamily("fusedserve_model_ready", "1 when the model answers requests, else 0",
+                                  labels=["model"])
+        failed = GaugeMetricFamily("fusedserve_model_failed", "1 for a model that failed to load or warm up",
+                                   labels=["model", "stage"])
+        for model, (ok, stage) in sorted(self._read().items()):
+            ready.add_metric([model], 1.0 if ok else 0.0)
+            if stage:
+                failed.add_metric([model, stage], 1.0)
+        yield ready
+        yield failed
+
+
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -52,6 +72,8 @@ class Metrics:
                                       ["model", "layer", "kernel"], registry=r)
         self.kernel_launches = Counter("fusedserve_kernel_launches", "Layer launches",
                                        ["model", "layer", "kernel"], registry=r)
+        self.unexpected = Counter("fusedserve_unexpected_errors", "Requests answered 500 by a bug, by front end",
+                                  ["front_end"], registry=r)
         # Labelled children, looked up once: labels() takes a lock and builds a key on every call.
         self._children: dict[str, tuple] = {}
         self._layers: dict[tuple[str, str, str], tuple] = {}
@@ -60,6 +82,10 @@ class Metrics:
     def watch_queues(self, queues: Mapping[str, _Queue]) -> None:
         """Export ``queued_rows`` of every queue in ``queues`` (a live mapping, read at each scrape)."""
         self.registry.register(_QueuedRows(queues))
+
+    def watch_models(self, read: Callable[[], Mapping[str, tuple[bool, str | None]]]) -> None:
+        """Export each model's readiness and failure stage, as ``read()`` gives them at each scrape."""
+        self.registry.register(_ModelReadiness(read))
 
     def record_layer(self, timing: LayerTiming) -> None:
         labels = (timing.model, timing.layer, timing.kernel)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -43,8 +43,30 @@ class Settings(BaseSettings):
     inline_batch_ms: float | None = Field(None, ge=0.0)
     # torch intra-op threads for CPU models; 0 = torch's default (one per physical core).
     torch_threads: int = Field(0, ge=0)
-    # After SIGTERM: seconds to keep answering (readiness already false) before closing connections.
+    # After SIGTERM (readiness false, new connections refused): at most this long open connections
+    # keep being answered; the process exits sooner once none is left (service.server).
     drain_grace_s: float = Field(2.0, ge=0.0)
+    # A model that fails to load stops start-up (Triton's --exit-on-error); off, the others serve
+    # and the failed one answers 503 saying why (model ready/metadata routes, /metrics).
+    exit_on_error: bool = True
+    # HTTP connections (service.protocol): request line + headers over this many bytes get 431; a
+    # request head or body not fully received in time gets 408; connections past the cap get 503
+    # (0: 4096, or fewer under a lower open-file limit).
+    max_header_bytes: int = Field(32 * 1024, ge=1024)
+    header_timeout_s: float = Field(10.0, gt=0.0)
+    body_timeout_s: float = Field(30.0, gt=0.0)
+    max_connections: int = Field(0, ge=0)
+    # After the drain (or on SIGINT): how long requests still being read or answered get before the
+    # process exits anyway.
+    shutdown_timeout_s: float = Field(10.0, ge=0.0)
+    # Security (service.security). api_key: every route but the probes needs "Authorization: Bearer
+    # <key>"; admin_api_key: the admin routes (kernel-stats reset, model control) need it instead
+    # (it opens every other route too). allowed_hosts: comma-separated Host names ("*.x" for
+    # subdomains) answered; empty = any. docs: serve /docs, /redoc and /openapi.json.
+    api_key: SecretStr | None = None
+    admin_api_key: SecretStr | None = None
+    allowed_hosts: str = ""
+    docs: bool = True
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
     gc_freeze: bool = True
     # After ready, tune the buckets warmed on provisional kernel choices on a background thread and

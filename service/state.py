@@ -15,6 +15,9 @@ from fusedserve.service.settings import Settings
 from fusedserve.service.stats import ServiceStats
 
 
+LOAD_FAILED, WARMUP_FAILED, UNLOADED = "failed to load", "warm-up failed", "unloaded"  # how ``failed`` reasons start
+
+
 @dataclass
 class ModelInfo:
     name: str
@@ -23,6 +26,7 @@ class ModelInfo:
     dtype: str
     backend: str
     device: str
+    version: str = "1"  # the served version (a numbered folder of the model directory, or "1")
 
 
 @dataclass
@@ -37,6 +41,9 @@ class ServiceState:
     serving: bool = False  # models loaded, warmed up, batchers running
     draining: bool = False  # SIGTERM seen: still answering, but readiness says no
     startup_error: str | None = None
+    # Models not served, and why: failed to load or warm up while the others serve (``exit_on_error``
+    # off), or unloaded by model control.
+    failed: dict[str, str] = field(default_factory=dict)
     # Run once, on the event loop, when draining starts: each front end's own drain (gRPC's).
     drain_hooks: list[Callable[[], None]] = field(default_factory=list)
 
@@ -59,6 +66,14 @@ class ServiceState:
             return []
         return sorted(name for name, b in self.batchers.items() if not b.running)
 
+    def model_readiness(self) -> dict[str, tuple[bool, str | None]]:
+        """Per model: whether it answers requests now, and the stage it failed at (load, warmup)."""
+        out = {name: (self.ready and name in self.batchers, None) for name in self.models}
+        for name, reason in self.failed.items():
+            out[name] = (False, "load" if reason.startswith(LOAD_FAILED) else
+                         "warmup" if reason.startswith(WARMUP_FAILED) else "unloaded")
+        return out
+
     @property
     def ready(self) -> bool:
         return self.serving and not self.draining and not self.stalled
@@ -74,6 +89,8 @@ class ServiceState:
                 return next(iter(self.models.values()))
             raise BadInput(f"name the model: this server serves {sorted(self.models)}")
         info = self.models.get(name)
+        if info is None and name in self.failed:
+            raise NotReady(f"model {name!r} is not ready: {self.failed[name]}")
         if info is None:
             raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(self.models)}")
         return info

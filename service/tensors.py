@@ -1,6 +1,6 @@
 """The Open Inference Protocol's (KServe v2) tensor rules, one copy for the HTTP routes and the gRPC
 servicer: every model has one input, "input" ([-1, in_features]), and one output, "output" FP32
-([-1, out_features]), version "1"; an input may come in any of ``DATATYPES`` and is served as
+([-1, out_features]), one version served at a time ("1" unless the model has version folders); an input may come in any of ``DATATYPES`` and is served as
 float32. Each protocol finds the input's name, datatype, shape and values in its own body; the
 checks and the messages saying what to fix are here."""
 
@@ -12,8 +12,8 @@ from fusedserve.service.errors import BadInput, UnknownModel
 from fusedserve.service.state import ModelInfo
 
 SERVER_NAME, SERVER_VERSION = "fusedserve", "0.1.0"
-EXTENSIONS = ("binary_tensor_data", "statistics")
-VERSION = "1"
+EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")
+VERSION = "1"  # of a model directory without numbered version folders
 INPUT, OUTPUT = "input", "output"
 OUTPUT_DATATYPE = "FP32"
 DATATYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16,
@@ -21,14 +21,15 @@ DATATYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16,
 
 
 def check_version(info: ModelInfo, version: str | None) -> None:
-    """No version or "" means the model's only one, "1"."""
-    if version and version != VERSION:
-        raise UnknownModel(f"model {info.name!r} has only version {VERSION!r}, not {version!r}")
+    """No version or "" means the one served."""
+    if version and version != info.version:
+        raise UnknownModel(f"model {info.name!r} has only version {info.version!r} loaded, not {version!r} "
+                           "(the highest version folder is served)")
 
 
 def metadata(info: ModelInfo) -> dict:
     """The model metadata response's fields (a JSON body over HTTP, a message over gRPC)."""
-    return {"name": info.name, "versions": [VERSION], "platform": f"fusedserve_{info.backend}",
+    return {"name": info.name, "versions": [info.version], "platform": f"fusedserve_{info.backend}",
             "inputs": [{"name": INPUT, "datatype": "FP32", "shape": [-1, info.in_features]}],
             "outputs": [{"name": OUTPUT, "datatype": OUTPUT_DATATYPE, "shape": [-1, info.out_features]}]}
 

@@ -13,9 +13,9 @@ from fastapi.responses import JSONResponse
 from fusedserve.service import tensors
 from fusedserve.service.errors import BadInput
 from fusedserve.service.inference import infer
-from fusedserve.service.inputs import check_rows, dump_json, parse_json, read_body
+from fusedserve.service.inputs import as_array, check_rows, dump_json, parse_json, read_body
 from fusedserve.service.state import ModelInfo, ServiceState, get_state
-from fusedserve.service.tensors import OUTPUT, VERSION
+from fusedserve.service.tensors import OUTPUT
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
@@ -45,6 +45,8 @@ async def model_metadata(state: State, model: str, version: str | None = None) -
 @router.get("/models/{model}/ready", summary="Model readiness")
 @router.get("/models/{model}/versions/{version}/ready", include_in_schema=False)
 async def model_ready(state: State, model: str, version: str | None = None) -> JSONResponse:
+    if model in state.failed:  # loaded no further: not ready, and why
+        return JSONResponse({"name": model, "ready": False, "error": state.failed[model]}, status_code=503)
     info = model_info(state, model, version)
     ok = state.ready
     return JSONResponse({"name": info.name, "ready": ok}, status_code=200 if ok else 503)
@@ -54,7 +56,7 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvi
     """The JSON header and the binary tensor data after it (empty without the extension)."""
     if header_length is None:
         return body, memoryview(b"")
-    if not header_length.isdigit() or int(header_length) > len(body):
+    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
         raise BadInput(f"Inference-Header-Content-Length {header_length!r} must be the byte length "
                        f"of the JSON header, at most the body length {len(body)}")
     n = int(header_length)
@@ -72,9 +74,7 @@ def _parse_infer(body: bytes, header_length: str | None, info: ModelInfo, max_ro
     if not isinstance(spec, dict):
         raise BadInput("inputs[0] must be an object with name, shape, datatype and data")
     dtype, shape = tensors.check_input(spec.get("name"), spec.get("datatype"), spec.get("shape"), info, "inputs[0]")
-    params = spec.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise BadInput("inputs[0].parameters must be an object")
+    params = _object(spec.get("parameters"), "inputs[0].parameters")
     size = params.get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or size < 0:
@@ -87,17 +87,32 @@ def _parse_infer(body: bytes, header_length: str | None, info: ModelInfo, max_ro
         data = spec.get("data")
         if not isinstance(data, list):
             raise BadInput("inputs[0] needs data (a flat or nested list of numbers) or binary_data_size")
-        x = tensors.from_values(np.array(data), shape, "inputs[0].data")
+        x = tensors.from_values(as_array(data, "inputs[0].data", "a list of numbers"), shape, "inputs[0].data")
     return req, check_rows(x, "inputs[0]", info.in_features, max_rows)
 
 
+def _object(value: object, where: str) -> dict:
+    """``value`` if it is a JSON object (absent or null: an empty one), else BadInput."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadInput(f"{where} must be an object, got {type(value).__name__}")
+    return value
+
+
 def _wants_binary(req: dict) -> bool:
-    for spec in req.get("outputs") or []:
-        if isinstance(spec, dict) and spec.get("name") not in (None, OUTPUT):
+    outputs = req.get("outputs")
+    if outputs is not None and not isinstance(outputs, list):
+        raise BadInput(f'"outputs" must be a list of objects like {{"name": "{OUTPUT}"}}, got {type(outputs).__name__}')
+    wanted = _object(req.get("parameters"), "parameters").get("binary_data_output", False)
+    for i, spec in enumerate(outputs or []):
+        spec = _object(spec, f"outputs[{i}]")
+        if spec.get("name") not in (None, OUTPUT):
             raise BadInput(f"unknown output {spec.get('name')!r}: this model has one output, {OUTPUT!r}")
-        if isinstance(spec, dict) and "binary_data" in (spec.get("parameters") or {}):
-            return bool(spec["parameters"]["binary_data"])
-    return bool((req.get("parameters") or {}).get("binary_data_output", False))
+        params = _object(spec.get("parameters"), f"outputs[{i}].parameters")
+        if "binary_data" in params:
+            wanted = params["binary_data"]
+    return bool(wanted)
 
 
 @router.post("/models/{model}/infer", summary="Inference (JSON or binary tensors)")
@@ -121,7 +136,7 @@ def decode(state: ServiceState, info: ModelInfo, body: bytes, header_length: str
 
 def encode(info: ModelInfo, req: dict, binary: bool, out: np.ndarray) -> tuple[bytes, str, dict]:
     """(body, media type, extra headers) of the answer: JSON tensors, or the binary extension."""
-    result = {"model_name": info.name, "model_version": VERSION,
+    result = {"model_name": info.name, "model_version": info.version,
               "outputs": [{"name": OUTPUT, "datatype": tensors.OUTPUT_DATATYPE, "shape": list(out.shape)}]}
     if "id" in req:
         result["id"] = req["id"]
@@ -144,7 +159,7 @@ async def model_stats(state: State, model: str, version: str | None = None) -> d
         return int(seconds * 1e9)
 
     return {"model_stats": [{
-        "name": info.name, "version": VERSION, "last_inference": c["last_inference_ms"],
+        "name": info.name, "version": info.version, "last_inference": c["last_inference_ms"],
         "inference_count": c["rows"], "execution_count": c["batches"],
         "inference_stats": {
             "success": {"count": c["success"], "ns": ns(c["success_s"])},

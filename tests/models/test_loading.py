@@ -128,3 +128,24 @@ def test_bad_backend_and_device(tmp_path, monkeypatch):
         load_model(path, device="cpu", backend="triton")
     with pytest.raises(ValueError, match="device"):
         load_model(path, device="tpu")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, value):
+    _, path = saved(tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["layers.1.bias"][4] = value
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'layers.1.bias' holds 1 NaN or infinite value\(s\), first at \[4\]"):
+        load_model(path, device="cpu")
+
+
+def test_weights_that_overflow_the_config_dtype_are_refused(tmp_path):
+    # 1e6 is a finite float32 in the file, but past float16's largest value (65504): inf once cast.
+    _, path = saved(tmp_path, config=MLPConfig(3, (17,), 5, dtype="float16"))
+    tensors = load_file(path / "model.safetensors")
+    tensors["layers.0.weight"] = tensors["layers.0.weight"].float()
+    tensors["layers.0.weight"][2, 1] = 1e6
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"as float16.*'layers.0.weight'.*first at \[2, 1\]"):
+        load_model(path, device="cpu")

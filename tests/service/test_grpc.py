@@ -140,6 +140,9 @@ MISTAKES = {
     "unknown output": (raw_request(ROWS, outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="logits")]),
                        "INVALID_ARGUMENT", "unknown output 'logits'"),
     "bad parameter": (_bad_param(), "INVALID_ARGUMENT", "must be a bool"),
+    "int8 overflow": (pb.ModelInferRequest(model_name="tiny", inputs=[Tensor(
+        name="input", datatype="INT8", shape=[1, 3], contents=pb.InferTensorContents(int_contents=[1, 300, 2]))]),
+        "INVALID_ARGUMENT", "outside the range of INT8"),
 }
 
 

@@ -117,6 +117,9 @@ def test_sigterm_drain_answers_requests_on_open_connections(repo, tmp_path):
         for c in conns:  # open keep-alive connections, idle when SIGTERM comes
             c.request("POST", "/infer", body, headers)
             assert c.getresponse().read()
+        probe = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+        probe.request("GET", "/v2/health/ready")
+        assert probe.getresponse().read()
         socks = [c.sock for c in conns]
         grpc_client = triton_grpc.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
         assert grpc_client.is_server_ready()
@@ -133,9 +136,14 @@ def test_sigterm_drain_answers_requests_on_open_connections(repo, tmp_path):
             assert r.status == 200, f"during drain got {r.status} {r.read()!r}"
             assert r.getheader("connection") == "close", r.getheaders()
             assert len(json.loads(r.read())["outputs"]) == len(ROWS)
-        r = httpx.get(s.url + "/v2/health/ready", timeout=5)
-        assert r.status_code == 503 and r.json()["error"] == "draining", r.text
-        s.proc.wait(timeout=15)  # the grace ends, uvicorn stops and re-raises SIGTERM on itself
+        probe.request("GET", "/v2/health/ready")
+        r = probe.getresponse()
+        assert r.status == 503 and json.loads(r.read())["error"] == "draining"
+        # New connections are refused from the start of the drain: clients go to another replica.
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.url + "/v2/health/ready", timeout=5)
+        # Every connection was told to close: the server exits without waiting out the grace.
+        s.proc.wait(timeout=15)
         assert s.proc.returncode in (0, -signal.SIGTERM), s.log.read_text()
     finally:
         s.stop()

@@ -1,0 +1,189 @@
+"""uvicorn's httptools HTTP/1.1 protocol with the limits its options do not reach: a cap on request
+head bytes (431 before the parser sees them: httptools grows a header by concatenation, quadratic
+in its chunks), deadlines for a request's head and body (408), a connection cap (503 at accept,
+logged), a graceful close that never drops a request already being read, and an access log that
+says 499 when the client closed (or half-closed: uvicorn takes either as leaving) before its answer. ``protocol_class(limits)`` is what ``uvicorn.Config(http=)``
+takes; every front-end process builds it the same way (``service.server.uvicorn_config``)."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import get_remote_addr
+
+from fusedserve.service.middleware import ANSWERED, CLIENT_GONE
+
+log = logging.getLogger("fusedserve")
+LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, so it gets the answer, not a reset
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+def default_max_connections() -> int:
+    """4096, or fewer where the open-file limit is lower: a connection refused with a 503 beats an
+    accept() that fails silently for lack of descriptors (64 kept for models, logs and gRPC)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 4096 if soft == resource.RLIM_INFINITY else max(1, min(4096, soft - 64))
+
+
+@dataclass
+class Limits:
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int
+    # Refusals by kind since the last warning: logged at most once a second, with their count.
+    _refused: dict = field(default_factory=dict)
+
+    def note(self, kind: str, client) -> None:
+        now = time.monotonic()
+        count, since = self._refused.get(kind, (0, 0.0))
+        if now - since < 1.0:
+            self._refused[kind] = (count + 1, since)
+            return
+        log.warning("%s (latest client %s; %d more since the last such warning)", kind,
+                    f"{client[0]}:{client[1]}" if client else "unknown", count)
+        self._refused[kind] = (0, now)
+
+
+def _answer(status: int, message: str) -> bytes:
+    body = orjson.dumps({"error": message})
+    return b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+        status, _REASONS[status], len(body), body)
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    limits: Limits  # set on the subclass ``protocol_class`` makes
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0  # bytes of the request head read so far (0: between requests)
+        self._reading_head = True
+        self._timer = None  # the read deadline of the head or body being read
+        self._refused = False  # answered and closing: what still comes is dropped
+        self._close_after_answer = False  # shutting down: no request after this one
+
+    def connection_made(self, transport) -> None:
+        if len(self.connections) >= self.limits.max_connections:
+            self.transport = transport
+            self.client = get_remote_addr(transport)
+            self.limits.note(f"connection limit of {self.limits.max_connections} reached: answered 503", self.client)
+            self._refuse(503, "the server is at its connection limit; retry shortly or on another replica")
+            return
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, "head")
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._reading_head:
+            end = data.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else end + 4
+            if self._head_bytes > self.limits.max_header_bytes:
+                self.limits.note(f"request head over {self.limits.max_header_bytes} bytes: answered 431", self.client)
+                self._refuse(431, f"request line and headers exceed {self.limits.max_header_bytes} bytes")
+                return
+        super().data_received(data)
+        # A deadline only for a request this data left half-read: most arrive whole, and cost no timer.
+        if self._timer is None and not self._refused and not self.transport.is_closing():
+            if not self._reading_head:
+                self._arm(self.limits.body_timeout_s, "body")
+            elif self._head_bytes:
+                self._arm(self.limits.header_timeout_s, "head")
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._disarm()
+        self._reading_head = False
+        if self._close_after_answer:
+            self.cycle.keep_alive = False
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        self._reading_head, self._head_bytes = True, 0
+
+    def eof_received(self):
+        # uvicorn closes on the client's FIN; an answer written after it goes nowhere, so the request
+        # in progress learns now that its client left (and the access log says so).
+        self._client_gone()
+        return super().eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        self._client_gone()
+        super().connection_lost(exc)
+
+    def _client_gone(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.scope[CLIENT_GONE] = True  # the access log says 499, not the status the app meant to send
+            cycle.disconnected = True
+            cycle.message_event.set()
+
+    def shutdown(self) -> None:
+        """Server shutdown: close an idle connection now; one whose request is being read or answered
+        closes after its answer."""
+        busy = self._head_bytes or self.pipeline or (self.cycle is not None and not self.cycle.response_complete)
+        if self._refused or not busy:
+            self.transport.close()
+            return
+        self._close_after_answer = True
+        if self.cycle is not None:
+            self.cycle.keep_alive = False
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to bytes that are not HTTP/1.1, as JSON like every other error.
+        self._refuse(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")
+
+    def _arm(self, seconds: float, what: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._read_timeout, what, seconds)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _read_timeout(self, what: str, seconds: float) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        # No 408 where it would not be the next answer on the connection: close instead. A head's
+        # cycle is the previous request's (still being answered, if pipelined); a body's is its
+        # own, which the app may have answered already (413, 401) before the body ended.
+        if what == "head" and (not self._head_bytes or (cycle is not None and not cycle.response_complete)):
+            self.transport.close()
+            return
+        if what == "body" and cycle is not None and cycle.response_started:
+            self.transport.close()
+            return
+        if what == "body" and cycle is not None:  # the app reading the body sees the client gone
+            cycle.scope[ANSWERED] = 408
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.limits.note(f"request {what} not received within {seconds:g} s: answered 408", self.client)
+        self._refuse(408, f"request {what} not received within {seconds:g} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` and close: send it, half-close, drop what still comes for ``LINGER_S``."""
+        self._refused = True
+        self._disarm()
+        transport = self.transport
+        transport.write(_answer(status, message))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+
+
+def protocol_class(limits: Limits) -> type[GuardedProtocol]:
+    """A ``GuardedProtocol`` bound to ``limits`` (uvicorn builds one protocol per connection)."""
+    return type("GuardedProtocol", (GuardedProtocol,), {"limits": limits, "__module__": __name__})
+
