@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from contextlib import asynccontextmanager
 
@@ -12,57 +11,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fusedserve.service.batcher import Batcher
+from fusedserve.service import startup
 from fusedserve.service.engine import LocalEngine
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.hotpath import HotPath
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
+from fusedserve.service.remote import RemoteEngine
 from fusedserve.service.routers import health, infer, metrics, stats, v2
 from fusedserve.service.settings import Settings
-from fusedserve.service.state import ModelInfo, ServiceState
+from fusedserve.service.state import ServiceState
 from fusedserve.service.stats import ServiceStats
-from fusedserve.service.timing import LayerSinks
 
 log = logging.getLogger("fusedserve")
-
-
-def _load_runners(settings: Settings, sink: LayerSinks) -> list:
-    from fusedserve import models
-
-    device = None if settings.device == "auto" else settings.device
-    backend = None if settings.backend == "auto" else settings.backend
-    loaded = models.load_repository(settings.model_repository, device=device, backend=backend)
-    return [models.ModelRunner(m, max_batch_size=settings.max_batch_size, timing_sink=sink)
-            for m in loaded.values()]
-
-
-async def _warm_up_and_serve(state: ServiceState, runners: list) -> None:
-    try:
-        for runner in runners:
-            seconds = await asyncio.to_thread(runner.warmup)
-            log.info("warmed up %r: %s", runner.name, seconds)
-    except Exception as exc:  # readiness reports it; the process stays up to say why
-        log.exception("warm-up failed")
-        state.startup_error = f"{type(exc).__name__}: {exc}"
-        return
-    # Warm-up launches (autotuning, graph capture) are not traffic: never count them.
-    state.stats.reset()
-    settings = state.settings
-    for runner in runners:
-        batcher = Batcher(runner, max_batch_size=settings.max_batch_size, max_delay_ms=settings.max_delay_ms,
-                          max_queue_rows=settings.max_queue_rows, recorders=(state.stats, state.metrics),
-                          inline_batch_ms=settings.inline_ms(runner.device.type))
-        batcher.start()
-        state.batchers[runner.name] = batcher
-    if settings.gc_freeze:
-        # Everything alive now (torch, the models) lives for the whole process. Frozen, the
-        # collector stops re-scanning it on every full collection: on the 2-core dev machine those
-        # scans cost tens of ms each and, under 64 clients, halved throughput and set the p99.
-        gc.collect()
-        gc.freeze()
-    state.serving = True
-    log.info("ready: %s", sorted(state.batchers))
 
 
 async def _start_grpc(app: FastAPI):
@@ -83,34 +44,39 @@ async def _start_grpc(app: FastAPI):
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     state: ServiceState = app.state.service
-    # Loading errors (missing repository, bad config) stop start-up at once with their message.
-    sink = LayerSinks((state.stats, state.metrics))
-    runners = await asyncio.to_thread(_load_runners, state.settings, sink)
-    if state.settings.torch_threads and any(r.device.type == "cpu" for r in runners):
-        import torch
-
-        # Here, on the event loop's thread: OpenMP keeps a thread count per thread, and batches run
-        # on this thread (inline) or on worker threads started later, which take the new default.
-        torch.set_num_threads(state.settings.torch_threads)
-    for r in runners:
-        state.runners[r.name] = r
-        state.models[r.name] = ModelInfo(r.name, r.in_features, r.out_features, str(r.dtype).removeprefix("torch."),
-                                         r.backend, str(r.device))
+    if app.state.engine_process is not None:  # a front end of --workers N: the models live elsewhere
+        async with _front_end(app):
+            yield
+        return
+    runners = await startup.load(state)
     # gRPC listens from here, like HTTP: liveness and metadata now, readiness and inference once warm.
     grpc_server = await _start_grpc(app)
     # Warm-up (autotuning, CUDA graphs) can take a while: serve liveness meanwhile, readiness after.
-    warm = asyncio.create_task(_warm_up_and_serve(state, runners))
+    warm = asyncio.create_task(startup.warm_up_and_serve(state, runners))
     try:
         yield
     finally:
         state.start_draining()
         if grpc_server is not None:  # calls in flight are answered before the batchers stop
             await grpc_server.stop(state.settings.drain_grace_s)
-        if not warm.done():
-            warm.cancel()
-        await asyncio.gather(warm, return_exceptions=True)
-        state.serving = False
-        await asyncio.gather(*(b.stop() for b in state.batchers.values()))
+        await startup.stop(state, warm)
+
+
+@asynccontextmanager
+async def _front_end(app: FastAPI):
+    """A front-end process: connect to the engine process, serve gRPC if this one does, and on the
+    way out answer what is in flight before the connection closes."""
+    state: ServiceState = app.state.service
+    engine = app.state.engine
+    await engine.start()
+    grpc_server = await _start_grpc(app) if app.state.serves_grpc else None
+    try:
+        yield
+    finally:
+        state.start_draining()
+        if grpc_server is not None:
+            await grpc_server.stop(state.settings.drain_grace_s)
+        await engine.close()
 
 
 def _error_response(status: int, message: str, headers=None) -> JSONResponse:
@@ -119,8 +85,7 @@ def _error_response(status: int, message: str, headers=None) -> JSONResponse:
 
 
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
-    state: ServiceState = request.app.state.service
-    state.metrics.record_request(getattr(request.state, "model", ""), exc.outcome)
+    request.app.state.engine.record_error(getattr(request.state, "model", ""), exc.outcome)
     return _error_response(exc.status, exc.message, exc.headers)
 
 
@@ -143,13 +108,18 @@ class ServiceApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine_process: str | None = None,
+               serves_grpc: bool = True) -> FastAPI:
+    """The app; ``engine_process`` (the engine's Unix socket path) makes it a front end of
+    ``--workers N`` whose models live in that process, serving gRPC only if ``serves_grpc``."""
     settings = settings or Settings()
     app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan,
                   summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
     state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
     app.state.service = state
-    app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
+    # What the front ends (HTTP inference, gRPC) ask of the models: here, or in the engine process.
+    app.state.engine = LocalEngine(state) if engine_process is None else RemoteEngine(engine_process, state)
+    app.state.engine_process, app.state.serves_grpc = engine_process, serves_grpc
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     ids = RequestIds()

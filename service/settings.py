@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_workers(cores: int | None = None) -> int:
+    """Front-end processes for ``cores`` CPUs (default: those this process may run on)."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return 1 if cores <= 2 else min(cores - 2, 16)
 
 
 def _shipped_repository() -> Path:
@@ -22,6 +29,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     # KServe v2 gRPC on the same host (Triton's default port); 0 turns gRPC off.
     grpc_port: int = Field(8001, ge=0, le=65535)
+    # Front-end processes; 1 serves everything in one process, N > 1 adds one engine process
+    # (service.supervisor). The default grows with the cores (README, "Processes").
+    workers: int = Field(default_factory=default_workers, ge=1)
     model_repository: Path = Field(default_factory=_shipped_repository)
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:<index>"
     backend: str = "auto"  # "auto", "triton" or "torch"
