@@ -79,11 +79,11 @@ class LocalEngine:
         return self._state.model(name)
 
     async def infer(self, model: str, rows: np.ndarray, timeout_s: float,
-                    abandon: asyncio.Future | None = None) -> np.ndarray:
+                    abandon: asyncio.Future | None = None, origin: int = 0) -> np.ndarray:
         state = self._state
         t0 = time.perf_counter()
         try:
-            out = await state.batchers[model].submit(rows, timeout_s, abandon=abandon)
+            out = await state.batchers[model].submit(rows, timeout_s, abandon=abandon, origin=origin)
         except (ServiceError, asyncio.CancelledError):  # cancelled: a gRPC client left or its deadline passed
             state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
             raise

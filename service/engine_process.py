@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -31,8 +32,9 @@ STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to
 class Connection(asyncio.Protocol):
     """One front end: its requests in flight (each with the future that withdraws it) and its outbox."""
 
-    def __init__(self, server: EngineServer):
+    def __init__(self, server: EngineServer, origin: int):
         self.server = server
+        self.origin = origin  # tells this front end's requests apart in a batch
         self.frames = wire.Frames()
         self.withdraw: dict[int, asyncio.Future] = {}
         self.outbox: wire.Outbox | None = None
@@ -67,7 +69,7 @@ class Connection(asyncio.Protocol):
     async def _run(self, ident: int, payload: bytearray, withdraw: asyncio.Future) -> None:
         try:
             model, x, timeout_s = wire.read_infer(payload)
-            out = await self.server.infer(model, x, timeout_s, withdraw)
+            out = await self.server.infer(model, x, timeout_s, withdraw, self.origin)
         except ClientGone:
             return  # the front end already answered its client
         except ServiceError as exc:
@@ -120,7 +122,7 @@ class EngineServer:
                     conn.outbox.send(frame)
             await asyncio.sleep(STATUS_POLL_S)
 
-    async def infer(self, model: int, x, timeout_s: float, withdraw: asyncio.Future):
+    async def infer(self, model: int, x, timeout_s: float, withdraw: asyncio.Future, origin: int):
         if not self.state.serving or self.state.draining:
             raise NotReady("the engine is not serving (warming up or stopping); retry shortly",
                            headers={"Retry-After": "1"})
@@ -128,7 +130,7 @@ class EngineServer:
         info = self.state.models[name]
         if x.shape[1] != info.in_features or x.shape[0] > self.state.settings.rows_per_request:
             raise ServiceError(f"rows {x.shape} do not fit model {name!r}")  # the front end checks: a bug
-        return await self.engine.infer(name, x, timeout_s, abandon=withdraw)
+        return await self.engine.infer(name, x, timeout_s, abandon=withdraw, origin=origin)
 
     async def control(self, message: dict):
         op, engine = message.get("op"), self.engine
@@ -136,9 +138,16 @@ class EngineServer:
             engine.record_error(message["model"], message["outcome"])
             return None
         if op == "kernel_stats":
-            return await engine.kernel_stats()
+            snap = await engine.kernel_stats()
+            snap["processes"] = {
+                "front_ends_connected": len(self.connections),
+                "batches_with_rows_from_several_front_ends": {
+                    name: b.mixed_batches for name, b in self.state.batchers.items()}}
+            return snap
         if op == "reset_stats":
             await engine.reset_stats()
+            for batcher in self.state.batchers.values():
+                batcher.mixed_batches = 0
             return {"reset": True}
         if op == "metrics":
             return (await engine.metrics_text()).decode()
@@ -164,7 +173,8 @@ async def serve(settings: Settings, path: str, ready_fd: int | None) -> None:
     runners = await startup.load(state)
     if os.path.exists(path):
         os.unlink(path)  # left by the engine this one replaces
-    listener = await loop.create_unix_server(lambda: Connection(server), path, backlog=1024)
+    origins = itertools.count(1)
+    listener = await loop.create_unix_server(lambda: Connection(server, next(origins)), path, backlog=1024)
     if ready_fd is not None:  # tell the supervisor the models loaded: from now on a crash is restarted
         os.write(ready_fd, b"1")
         os.close(ready_fd)

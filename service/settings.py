@@ -10,9 +10,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def default_workers(cores: int | None = None) -> int:
-    """Front-end processes for ``cores`` CPUs (default: those this process may run on)."""
+    """Front-end processes for ``cores`` CPUs (default: those this process may run on): one process up
+    to 3 cores (on 2 cores a second front end and the engine process only compete for them), else
+    half the cores, at most 8: the engine, its batch threads and the kernel's network work need the rest."""
     cores = cores if cores is not None else len(os.sched_getaffinity(0))
-    return 1 if cores <= 2 else min(cores - 2, 16)
+    return 1 if cores <= 3 else min(cores // 2, 8)
 
 
 def _shipped_repository() -> Path:

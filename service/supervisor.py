@@ -1,6 +1,6 @@
 """``fusedserve serve --workers N`` (N > 1): a small supervisor process. It binds the HTTP port once,
 spawns one engine process (``service.engine_process``: models, batchers, CUDA graphs, stats) and N
-front ends (``service.frontend``: uvicorn on the inherited socket, a ``RemoteEngine`` each; front end
+front ends (``service.frontend``: uvicorn on its inherited socket, a ``RemoteEngine`` each; front end
 0 serves gRPC), and restarts any that dies. Children are fresh interpreters (spawned, never forked:
 the engine may touch CUDA), in their own session so a terminal's Ctrl-C reaches only the supervisor,
 which passes each signal on exactly once.
@@ -49,16 +49,24 @@ class Child:
             self.proc.send_signal(sig)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The HTTP listening socket, bound once here and inherited by every front end."""
+def _bind(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` listening sockets on one port, one per front end, bound here with SO_REUSEPORT: the
+    kernel spreads new connections evenly over them (one shared socket would not: an event loop
+    accepts a whole burst at once, so one front end took every connection of a burst). A socket
+    stays open here while its front end restarts, so connections wait in its backlog, never reset.
+    A first bind without SO_REUSEPORT proves the port free: no other program's sockets join the group."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, port), family=family, backlog=2048)
+        with socket.create_server((host, port), family=family) as probe:
+            port = probe.getsockname()[1]
+        socks = [socket.create_server((host, port), family=family, backlog=2048, reuse_port=True)
+                 for _ in range(count)]
     except OSError as exc:
         raise SystemExit(f"cannot listen on {host}:{port} ({exc}): is the port taken? Choose another "
                          "with --port") from None
-    sock.set_inheritable(True)
-    return sock
+    for sock in socks:
+        sock.set_inheritable(True)
+    return socks
 
 
 class Supervisor:
@@ -89,17 +97,17 @@ class Supervisor:
 
     def run(self) -> int:
         settings = self.settings
-        sock = _bind(settings.host, settings.port)
+        socks = _bind(settings.host, settings.port, settings.workers)
         tmp = tempfile.mkdtemp(prefix="fusedserve-")
         path = os.path.join(tmp, "engine.sock")
         self._front_ends = [
             Child(f"front end {i}", [sys.executable, "-m", "fusedserve.service.frontend", "--fd", str(sock.fileno()),
                                      "--engine", path, "--index", str(i), *self._common], (sock.fileno(),))
-            for i in range(settings.workers)]
+            for i, sock in enumerate(socks)]
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("supervisor: 1 engine and %d front ends on http://%s:%d", settings.workers, settings.host,
-                 sock.getsockname()[1])
+                 socks[0].getsockname()[1])
         try:
             engine, ready_pipe = self._start_engine(path)
             for child in self._front_ends:
@@ -108,7 +116,8 @@ class Supervisor:
             self._shut_down(engine)
             return code
         finally:
-            sock.close()
+            for sock in socks:
+                sock.close()
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _watch(self, engine: Child, ready_pipe: int) -> int:
