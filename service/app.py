@@ -11,7 +11,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fusedserve.service import startup
 from fusedserve.service.engine import LocalEngine
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.metrics import Metrics
@@ -48,6 +47,8 @@ async def _lifespan(app: FastAPI):
         async with _front_end(app):
             yield
         return
+    from fusedserve.service import startup  # torch, the models: never in a front-end process
+
     runners = await startup.load(state)
     # gRPC listens from here, like HTTP: liveness and metadata now, readiness and inference once warm.
     grpc_server = await _start_grpc(app)

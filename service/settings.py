@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -18,10 +19,10 @@ def default_workers(cores: int | None = None) -> int:
 
 
 def _shipped_repository() -> Path:
-    # Imported here, not at module level, so building settings never pulls in torch before it is needed.
-    from fusedserve import models
-
-    return Path(models.DEFAULT_REPOSITORY)
+    # Found, not imported: importing fusedserve.models pulls in torch, which the supervisor and the
+    # front ends of --workers N never need (models.loading.DEFAULT_REPOSITORY is the same folder).
+    spec = importlib.util.find_spec("fusedserve.models")
+    return Path(next(iter(spec.submodule_search_locations))) / "repository"
 
 
 class Settings(BaseSettings):

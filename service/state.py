@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from fusedserve.service.batcher import Batcher
 from fusedserve.service.errors import BadInput, NotReady, UnknownModel
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.settings import Settings
 from fusedserve.service.stats import ServiceStats
+
+if TYPE_CHECKING:  # torch: only the process that runs the models imports it
+    from fusedserve.service.batcher import Batcher
 
 
 @dataclass
