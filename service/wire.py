@@ -39,18 +39,21 @@ class Frames:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[tuple[int, int, bytearray]]:
-        buf = self._buf
-        buf += data
-        frames, pos, size, head = [], 0, len(buf), HEADER.size
+        # Whole frames are copied once, straight out of ``data``; only a partial one waits in a buffer.
+        if self._buf:
+            self._buf += data
+            data = self._buf
+        view = memoryview(data)
+        frames, pos, size, head = [], 0, len(data), HEADER.size
         while size - pos >= head:
-            length, kind, ident = HEADER.unpack_from(buf, pos)
+            length, kind, ident = HEADER.unpack_from(view, pos)
             end = pos + head + length
             if end > size:
                 break
-            frames.append((kind, ident, buf[pos + head:end]))
+            frames.append((kind, ident, bytearray(view[pos + head:end])))
             pos = end
-        if pos:
-            del buf[:pos]
+        rest = view[pos:]
+        self._buf = bytearray(rest) if len(rest) else bytearray()
         return frames
 
 
