@@ -132,7 +132,7 @@ class Supervisor:
                 if engine.proc.poll() is not None and not loaded:
                     log.error("the engine process exited (%s) before its models loaded: see its log above",
                               engine.proc.returncode)
-                    self._stop_signal = signal.SIGTERM
+                    self._stop_signal = signal.SIGINT  # nothing was served: no drain
                     return 1
             for child in (engine, *self._front_ends):
                 self._restart_if_dead(child)
