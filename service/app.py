@@ -33,7 +33,7 @@ async def _start_grpc(app: FastAPI):
         return None
     from fusedserve.service.grpc_server import GrpcServer  # grpc is imported only when it serves
 
-    server = GrpcServer(app.state.engine, settings)
+    server = GrpcServer(app.state.engine, settings, reuse_port=app.state.engine_process is not None)
     await server.start()
     state.drain_hooks.append(lambda: server.drain(settings.drain_grace_s))
     app.state.grpc = server
@@ -70,7 +70,7 @@ async def _front_end(app: FastAPI):
     state: ServiceState = app.state.service
     engine = app.state.engine
     await engine.start()
-    grpc_server = await _start_grpc(app) if app.state.serves_grpc else None
+    grpc_server = await _start_grpc(app)
     try:
         yield
     finally:
@@ -109,10 +109,9 @@ class ServiceApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, engine_process: str | None = None,
-               serves_grpc: bool = True) -> FastAPI:
+def create_app(settings: Settings | None = None, engine_process: str | None = None) -> FastAPI:
     """The app; ``engine_process`` (the engine's Unix socket path) makes it a front end of
-    ``--workers N`` whose models live in that process, serving gRPC only if ``serves_grpc``."""
+    ``--workers N`` whose models live in that process; its gRPC port is shared (SO_REUSEPORT) with the others."""
     settings = settings or Settings()
     app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan,
                   summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
@@ -120,7 +119,7 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     app.state.service = state
     # What the front ends (HTTP inference, gRPC) ask of the models: here, or in the engine process.
     app.state.engine = LocalEngine(state) if engine_process is None else RemoteEngine(engine_process, state)
-    app.state.engine_process, app.state.serves_grpc = engine_process, serves_grpc
+    app.state.engine_process = engine_process
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     ids = RequestIds()

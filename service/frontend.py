@@ -1,6 +1,6 @@
 """A front-end process of ``--workers N``: the FastAPI app and its hot path under uvicorn, on the
 listening socket the supervisor bound and handed down, with a ``RemoteEngine`` in place of the
-models. Front end 0 also serves gRPC. SIGTERM drains it (``DrainingServer``) like a single process."""
+models. Every front end serves gRPC too, on one port shared with SO_REUSEPORT. SIGTERM drains it (``DrainingServer``) like a single process."""
 
 from __future__ import annotations
 
@@ -39,14 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="fusedserve front-end process (started by the supervisor)")
     p.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
     p.add_argument("--engine", required=True, help="the engine process's Unix socket")
-    p.add_argument("--index", type=int, required=True, help="front end number; 0 serves gRPC")
     p.add_argument("--settings", required=True, help="Settings as JSON")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
     args = p.parse_args(argv)
     configure(args.log_level, args.log_format)
     settings = Settings(**json.loads(args.settings))
-    app = create_app(settings, engine_process=args.engine, serves_grpc=args.index == 0)
+    app = create_app(settings, engine_process=args.engine)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", access_log=False, log_config=None)
     # socket(fileno=) finds the family itself (TCP): asyncio then sets TCP_NODELAY on each connection.
     FrontEndServer(config, app.state.service, settings.drain_grace_s).run(sockets=[socket.socket(fileno=args.fd)])

@@ -1,7 +1,8 @@
-"""``fusedserve serve --workers N`` (N > 1): a small supervisor process. It binds the HTTP port once,
-spawns one engine process (``service.engine_process``: models, batchers, CUDA graphs, stats) and N
-front ends (``service.frontend``: uvicorn on its inherited socket, a ``RemoteEngine`` each; front end
-0 serves gRPC), and restarts any that dies. Children are fresh interpreters (spawned, never forked:
+"""``fusedserve serve --workers N`` (N > 1): a small supervisor process. It binds the HTTP port (one
+SO_REUSEPORT socket per front end), spawns one engine process (``service.engine_process``: models,
+batchers, CUDA graphs, stats) and N front ends (``service.frontend``: uvicorn on its inherited socket,
+a ``RemoteEngine`` each, every one also serving gRPC on one port shared with SO_REUSEPORT), and
+restarts any that dies. Children are fresh interpreters (spawned, never forked:
 the engine may touch CUDA), in their own session so a terminal's Ctrl-C reaches only the supervisor,
 which passes each signal on exactly once.
 
@@ -47,6 +48,16 @@ class Child:
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    """Refuse a port another program holds: the front ends' SO_REUSEPORT sockets would share it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        raise SystemExit(f"cannot listen on {host}:{port} ({exc}): is the port taken? Choose another "
+                         f"with {flag}") from None
 
 
 def _bind(host: str, port: int, count: int) -> list[socket.socket]:
@@ -102,8 +113,10 @@ class Supervisor:
         path = os.path.join(tmp, "engine.sock")
         self._front_ends = [
             Child(f"front end {i}", [sys.executable, "-m", "fusedserve.service.frontend", "--fd", str(sock.fileno()),
-                                     "--engine", path, "--index", str(i), *self._common], (sock.fileno(),))
+                                     "--engine", path, *self._common], (sock.fileno(),))
             for i, sock in enumerate(socks)]
+        if settings.grpc_port:
+            _check_free(settings.host, settings.grpc_port, "--grpc-port")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("supervisor: 1 engine and %d front ends on http://%s:%d", settings.workers, settings.host,

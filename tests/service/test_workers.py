@@ -121,14 +121,30 @@ def test_batches_merge_front_ends_and_stats_cover_every_process(server):
     assert after["processes"]["batches_with_rows_from_several_front_ends"]["tiny"] == 0, after["processes"]
 
 
+def _grpc_ready(port: int) -> bool:
+    """Whether a new gRPC connection finds the server ready."""
+    triton_grpc = pytest.importorskip("tritonclient.grpc")
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        return client.is_server_ready(client_timeout=2)
+    except Exception:  # noqa: BLE001 - unreachable is the answer
+        return False
+    finally:
+        client.close()
+
+
 def test_front_end_killed_under_load_is_restarted(server):
     before = children(server.proc.pid)["frontend"]
-    victim = before[0]
+    victim = min(before)  # the first started: were gRPC one front end's, this would be it
     record: list = []
+    grpc_after_kill: list = []
 
     async def kill():
         await asyncio.sleep(0.7)
         os.kill(victim, signal.SIGKILL)
+        # gRPC is every front end's: it answers at once, before the killed one is back.
+        for _ in range(3):
+            grpc_after_kill.append(await asyncio.to_thread(_grpc_ready, server.grpc_port))
 
     killed_at = time.monotonic() + 0.7
     asyncio.run(load(server.port, 3.0, record, kill))
@@ -146,6 +162,7 @@ def test_front_end_killed_under_load_is_restarted(server):
             break
         time.sleep(0.1)
     assert len(now) == 2 and victim not in now, f"front ends {before} -> {now}: not restarted"
+    assert grpc_after_kill == [True] * 3, f"gRPC right after a front end died: {grpc_after_kill}"
     assert httpx.get(server.url + "/v2/health/ready", timeout=5).status_code == 200
 
 
