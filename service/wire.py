@@ -73,7 +73,9 @@ class Outbox:
     def _flush(self) -> None:
         chunks, self._chunks = self._chunks, []
         if not self._transport.is_closing():
-            self._transport.writelines(chunks)
+            # One write of the joined bytes: uvloop's writelines tries a send per chunk (measured: a
+            # flush of 64 answers cost the engine ~2.4 ms that way under cProfile).
+            self._transport.write(b"".join(chunks))
 
 
 def infer_frame(ident: int, model: int, rows: np.ndarray, timeout_s: float) -> tuple[bytes, memoryview]:
