@@ -24,6 +24,7 @@ RECONNECT_S = 0.05  # between attempts to reach the engine process
 CONTROL_TIMEOUT_S = 10.0  # a stats or metrics question the engine leaves unanswered this long fails
 # The engine enforces each deadline; this much later the front end answers 504 itself (a stuck engine).
 DEADLINE_SLACK_S = 0.1
+FIRST_STATUS_S = 5.0  # how long start() waits for a listening engine's first status
 GONE = "the engine process is not running (the supervisor restarts it); retry shortly"
 
 
@@ -48,10 +49,18 @@ class RemoteEngine(asyncio.Protocol):
         self._lost: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._first_try = asyncio.Event()
 
     # -- the connection ---------------------------------------------------------------------------
     async def start(self) -> None:
+        """Connect; returns once the engine's status came, or at once if no engine listens yet (a
+        restarted front end must not answer its first requests 503 while its status is on the way)."""
+        self._first_try = asyncio.Event()
         self._task = asyncio.create_task(self._keep_connected(), name="engine-connection")
+        try:
+            await asyncio.wait_for(self._first_try.wait(), FIRST_STATUS_S)
+        except asyncio.TimeoutError:
+            log.warning("the engine process sent no status within %.0f s; serving 503 until it does", FIRST_STATUS_S)
 
     async def close(self) -> None:
         self._closing = True
@@ -68,6 +77,7 @@ class RemoteEngine(asyncio.Protocol):
             try:
                 await loop.create_unix_connection(lambda: self, self._path)
             except OSError:
+                self._first_try.set()
                 await asyncio.sleep(RECONNECT_S)
                 continue
             await self._lost
@@ -109,6 +119,7 @@ class RemoteEngine(asyncio.Protocol):
         self._models = {row[0]: ModelInfo(*row) for row in status["models"]}
         self._index = {name: i for i, name in enumerate(self._models)}
         self._status = status
+        self._first_try.set()
 
     # -- the Engine protocol ------------------------------------------------------------------------
     def models(self) -> Mapping[str, ModelInfo]:
