@@ -190,3 +190,25 @@ def test_engine_killed_under_load_answers_503_at_once_then_recovers(server):
     assert children(server.proc.pid)["engine"] != [engine]
     r = httpx.post(server.url + "/infer", content=BODY, timeout=10)
     assert r.status_code == 200 and len(r.json()["outputs"]) == 1, r.text
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_children_stop_when_the_supervisor_is_killed(server):
+    # SIGKILL leaves no chance to stop them: each notices it was orphaned and exits, freeing the ports.
+    kids = [pid for pids in children(server.proc.pid).values() for pid in pids]
+    assert len(kids) == 3, kids
+    server.proc.kill()
+    server.proc.wait()
+    end = time.monotonic() + 15
+    while time.monotonic() < end and any(_running(pid) for pid in kids):
+        time.sleep(0.1)
+    left = [pid for pid in kids if _running(pid)]
+    for pid in left:  # never leave them behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"children still running 15 s after the supervisor died: {left}"
