@@ -14,8 +14,21 @@ def default_workers(cores: int | None = None) -> int:
     """Front-end processes for ``cores`` CPUs (default: those this process may run on): one process up
     to 3 cores (on 2 cores a second front end and the engine process only compete for them), else
     half the cores, at most 8: the engine, its batch threads and the kernel's network work need the rest."""
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    cores = cores if cores is not None else usable_cores()
     return 1 if cores <= 3 else min(cores // 2, 8)
+
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may run on, capped by its cgroup's CPU quota (a container's CPU limit: a pod
+    limited to 4 CPUs on a 64-core node must not start 8 front ends)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1, min(cores, -(-int(quota) // int(period))))
 
 
 def _shipped_repository() -> Path:
