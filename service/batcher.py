@@ -117,6 +117,8 @@ class Batcher:
         # requests were sent while nothing was read), even from an empty queue.
         self._loaded = False
         self._task: asyncio.Task | None = None
+        # Batches holding requests of several origins (front-end processes): proof that they merge.
+        self.mixed_batches = 0
         # One thread, and the loop awaits each batch: the runner computes one batch at a time.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"run-{runner.name}")
 
@@ -157,16 +159,17 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     async def submit(self, x: np.ndarray, timeout_s: float | None = None,
-                     abandon: asyncio.Future | None = None) -> np.ndarray:
+                     abandon: asyncio.Future | None = None, origin: int = 0) -> np.ndarray:
         """Queue ``x`` ([rows, in] float32) and wait for its ``[rows, out]`` output.
 
         ``timeout_s`` bounds the wait (DeadlineExceeded); ``abandon`` (e.g. a task that ends when the
         client disconnects) withdraws the request if it completes first (ClientGone). Either way a
-        request not yet in a batch leaves the queue at once and is never computed."""
+        request not yet in a batch leaves the queue at once and is never computed. ``origin`` says
+        who sent it (``mixed_batches``)."""
         if self._state is _IDLE and not self._queue and not self._loaded and not self._stopping \
                 and self._where.quick(rules.bucket(x.shape[0], self.max_batch_size)):
-            return await self._lead(x)
-        item = self._enqueue(x)
+            return await self._lead(x, origin)
+        item = self._enqueue(x, origin)
         # The deadline and the abandon signal end the wait by callbacks on the request's future:
         # no task and no wait set per request.
         timer = None if timeout_s is None else asyncio.get_running_loop().call_later(
@@ -188,12 +191,12 @@ class Batcher:
             if not item.future.done():  # our caller was cancelled
                 self._give_up(item, None)
 
-    async def _lead(self, x: np.ndarray) -> np.ndarray:
+    async def _lead(self, x: np.ndarray, origin: int) -> np.ndarray:
         """A request that finds the model idle and quick runs its batch in its own task, as the
         batch loop would at once, without waking the loop (a task switch and an event per batch).
         Requests read in the same turn of the event loop join it; later arrivals queue and wake
         the loop once this batch is done."""
-        item = self._queue.put(x, asyncio.get_running_loop().create_future())
+        item = self._queue.put(x, asyncio.get_running_loop().create_future(), origin)
         self._state = _BUSY
         try:
             await asyncio.sleep(0)  # let the requests read in this turn reach the queue
@@ -215,10 +218,10 @@ class Batcher:
         else:
             item.future.set_exception(error)
 
-    def _enqueue(self, x: np.ndarray) -> Pending:
+    def _enqueue(self, x: np.ndarray, origin: int) -> Pending:
         if self._stopping:
             raise NotReady(f"model {self.runner.name!r} is shutting down; retry on another replica")
-        item = self._queue.put(x, asyncio.get_running_loop().create_future())
+        item = self._queue.put(x, asyncio.get_running_loop().create_future(), origin)
         if self._state is _IDLE or (self._state is _FILLING and self._queue.rows >= self.max_batch_size):
             self._wake.set()
         return item
@@ -262,6 +265,8 @@ class Batcher:
         started = time.monotonic()
         waits = [started - item.enqueued for item in batch]
         x = np.concatenate([item.x for item in batch]) if len(batch) > 1 else batch[0].x
+        if len(batch) > 1 and any(item.origin != batch[0].origin for item in batch):
+            self.mixed_batches += 1
         rows = x.shape[0]
         bucket = rules.bucket(rows, self.max_batch_size)
         inline = self._where.inline(bucket)

@@ -23,6 +23,7 @@ _FLAGS = {
     "--host": ("host", str, "interface to bind (default 127.0.0.1)"),
     "--port": ("port", int, "TCP port (default 8000)"),
     "--grpc-port": ("grpc_port", int, "KServe v2 gRPC port (default 8001); 0 turns gRPC off"),
+    "--workers": ("workers", int, "front-end processes; > 1 adds one engine process (default: from the cores)"),
     "--model-repository": ("model_repository", str, "folder of model directories (default: shipped)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:<index>"),
     "--backend": ("backend", str, "auto, triton or torch"),
@@ -82,6 +83,11 @@ def serve(args: argparse.Namespace, settings) -> None:
     from fusedserve.service.server import DrainingServer, uvicorn_config
 
     configure(args.log_level, args.log_format)
+    if settings.workers > 1:
+        from fusedserve.service import supervisor
+
+        supervisor.run(settings, args.log_level, args.log_format)
+        return
     app = create_app(settings)
     config = uvicorn_config(app, settings, args.log_level)
     DrainingServer(config, app.state.service, settings.drain_grace_s).run()

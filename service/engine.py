@@ -3,8 +3,9 @@ more: which models there are, liveness, readiness, and ``infer`` on rows it has 
 
 ``Engine`` is the seam for splitting the service into front-end processes and one engine process:
 a front end holds an ``Engine`` and never touches the batchers, the runners or ``ServiceState``.
-``LocalEngine`` implements it in this process over the batchers; a remote one would move the rows
-(float32 ``[n, in_features]`` in, ``[n, out_features]`` out) and the same errors across processes."""
+``LocalEngine`` implements it in this process over the batchers; ``service.remote.RemoteEngine``
+moves the rows (float32 ``[n, in_features]`` in, ``[n, out_features]`` out), the same errors and the
+stats across processes (``--workers N``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
+
+from prometheus_client import generate_latest
 
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.state import ModelInfo, ServiceState
@@ -41,6 +44,24 @@ class Engine(Protocol):
     def record_error(self, model: str, outcome: str) -> None:
         """Count a request the front end refused or lost (``ServiceError.outcome``) in the metrics."""
 
+    def failed(self) -> Mapping[str, str]:
+        """Models that failed to load or warm up (or were unloaded), and why."""
+
+    def reason(self) -> str:
+        """Why it is not ready or not live, for the probes' ``error`` field."""
+
+    async def kernel_stats(self) -> dict:
+        """The ``GET /kernel-stats`` body: layer timings, batch sizes, queue waits, served models."""
+
+    async def reset_stats(self) -> None:
+        """Clear every timing and histogram (``POST /kernel-stats/reset``)."""
+
+    async def metrics_text(self) -> bytes:
+        """``GET /metrics`` in the Prometheus text format."""
+
+    async def model_counts(self, model: str) -> dict:
+        """``ServiceStats.model_counts`` of one model, for the v2 statistics route."""
+
 
 class LocalEngine:
     """``Engine`` over this process's ``ServiceState``: its batchers, stats and metrics."""
@@ -61,11 +82,11 @@ class LocalEngine:
         return self._state.model(name)
 
     async def infer(self, model: str, rows: np.ndarray, timeout_s: float,
-                    abandon: asyncio.Future | None = None) -> np.ndarray:
+                    abandon: asyncio.Future | None = None, origin: int = 0) -> np.ndarray:
         state = self._state
         t0 = time.perf_counter()
         try:
-            out = await state.batchers[model].submit(rows, timeout_s, abandon=abandon)
+            out = await state.batchers[model].submit(rows, timeout_s, abandon=abandon, origin=origin)
         except (ServiceError, asyncio.CancelledError):  # cancelled: a gRPC client left or its deadline passed
             state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
             raise
@@ -75,3 +96,51 @@ class LocalEngine:
 
     def record_error(self, model: str, outcome: str) -> None:
         self._state.metrics.record_request(model, outcome)
+
+    def reason(self) -> str:
+        return self._state.reason
+
+    def failed(self) -> Mapping[str, str]:
+        return self._state.failed
+
+    async def kernel_stats(self) -> dict:
+        state = self._state
+        state.collect_timings()
+        snap = state.stats.snapshot()
+        snap["served"] = {
+            name: {"in_features": m.in_features, "out_features": m.out_features, "dtype": m.dtype,
+                   "backend": m.backend, "device": m.device,
+                   "layer_timings": _timing_policy(state.runners[name]), **_choices(state.runners[name])}
+            for name, m in state.models.items()}
+        return snap
+
+    async def reset_stats(self) -> None:
+        self._state.collect_timings()  # finished launches from before the reset must not show up after it
+        self._state.stats.reset()
+
+    async def metrics_text(self) -> bytes:
+        self._state.collect_timings()
+        return generate_latest(self._state.metrics.registry)
+
+    async def model_counts(self, model: str) -> dict:
+        return self._state.stats.model_counts(model)
+
+
+def _choices(runner) -> dict:
+    """Per bucket whether its kernels run a provisional choice (not timed yet), a tuned one, or a
+    fixed one (nothing is timed there); and how warm-up's seconds split."""
+    return {"choices": {str(bucket): state for bucket, state in runner.choice_states.items()},
+            "startup_s": {phase: round(s, 3) for phase, s in runner.startup_seconds.items()}}
+
+
+def _timing_policy(runner) -> dict:
+    """How the runner times layers, so a reader knows whether ``calls`` counts every batch."""
+    if runner.device.type == "cuda" and not runner.cuda_graphs:
+        return {"sampled": False, "every_batch": True, "method": runner.timing_method}
+    # Graph replays hide single kernels, and on the CPU a timed batch's records cost more than a
+    # small model's compute: only some batches are timed layer by layer.
+    return {"sampled": True, "every_batch": False, "method": runner.timing_method,
+            "sample_every": runner.timing_sample_every,
+            "min_interval_s": runner.timing_min_interval_s,
+            "rule": "first batch of each bucket, then at most one batch in sample_every per bucket, "
+                    "and at most one per min_interval_s"}

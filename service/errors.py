@@ -50,6 +50,13 @@ class PayloadTooLarge(ServiceError):
     outcome = "too_large"
 
 
+class NotServed(ServiceError):
+    """A feature this server's configuration does not serve."""
+    status = 501
+    grpc_code = "UNIMPLEMENTED"
+    outcome = "not_served"
+
+
 class UnknownModel(ServiceError):
     status = 404
     grpc_code = "NOT_FOUND"

@@ -171,7 +171,7 @@ class GrpcServer:
     """The gRPC front door: ``start`` once models are loaded, ``drain`` on SIGTERM (refuse new calls
     at once, let calls in flight finish within the grace period), ``stop`` at shutdown."""
 
-    def __init__(self, engine: Engine, settings: Settings, control=None):
+    def __init__(self, engine: Engine, settings: Settings, control=None, reuse_port: bool = False):
         self.address = _address(settings.host, settings.grpc_port)
         self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000,
                                            control)
@@ -180,11 +180,12 @@ class GrpcServer:
         self._interceptors = [KeyCheck(guard)] if guard.keyed else []
         self._server: grpc.aio.Server | None = None
         self._stopping: asyncio.Future | None = None
+        self._reuse_port = reuse_port  # the front ends of --workers N share the port (the supervisor checked it free)
 
     async def start(self) -> None:
-        # so_reuseport off: gRPC sets SO_REUSEPORT by default, so a second server on a busy port would
-        # silently share its calls; off, the port must be free. Requests are capped like HTTP bodies.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+        # so_reuseport off (but among the front ends of --workers N): gRPC sets SO_REUSEPORT by default,
+        # so a second server on a busy port would silently share its calls; off, the port must be free. Requests are capped like HTTP bodies.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self._reuse_port)),
                                           ("grpc.max_receive_message_length", self._max_message),
                                           ("grpc.max_send_message_length", -1)],
                                  interceptors=self._interceptors)

@@ -80,11 +80,11 @@ class HotPath:
         state, engine, model = self.state, self.app.state.engine, ""
         try:
             kind, name, version = where
-            info = v2.model_info(state, name, version) if kind == "v2" else None
+            info = v2.model_info(engine, name, version) if kind == "v2" else None
             model = info.name if info is not None else ""
             raw = await read_asgi_body(receive, _text(headers, b"content-length"), state.settings.max_body_bytes)
             if kind == "infer":
-                info, inputs = infer_route.parse(state, raw)
+                info, inputs = infer_route.parse(engine, raw)
                 model = info.name
                 x = infer_route.rows(state, info, inputs)
             else:

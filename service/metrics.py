@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from fusedserve.models.timing import LayerTiming
+if TYPE_CHECKING:  # a front-end process of --workers N never imports torch (models/)
+    from fusedserve.models.timing import LayerTiming
 
 # Seconds: 50 us (one small GPU batch) to 10 s (a deadline).
 _TIME_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 10)

@@ -17,6 +17,7 @@ class Pending:
     x: np.ndarray  # [rows, in] float32
     future: asyncio.Future
     enqueued: float  # time.monotonic()
+    origin: int = 0  # who sent it: the front-end connection in the engine process of --workers N
 
     @property
     def rows(self) -> int:
@@ -49,13 +50,13 @@ class RequestQueue:
     def oldest(self) -> Pending:
         return self._items[0]
 
-    def put(self, x: np.ndarray, future: asyncio.Future) -> Pending:
+    def put(self, x: np.ndarray, future: asyncio.Future, origin: int = 0) -> Pending:
         rows = x.shape[0]
         if self._rows + rows > self.max_rows:
             raise QueueFull(
                 f"model {self.model!r} has {self._rows} rows queued (limit {self.max_rows}); retry shortly",
                 headers={"Retry-After": "1"})
-        item = Pending(x, future, time.monotonic())
+        item = Pending(x, future, time.monotonic(), origin)
         self._items.append(item)
         self._rows += rows
         return item

@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-def _shipped_repository() -> Path:
-    # Imported here, not at module level, so building settings never pulls in torch before it is needed.
-    from fusedserve import models
+def default_workers(cores: int | None = None) -> int:
+    """Front-end processes for ``cores`` CPUs (default: those this process may run on): one process up
+    to 3 cores (on 2 cores a second front end and the engine process only compete for them), else
+    half the cores, at most 8: the engine, its batch threads and the kernel's network work need the rest."""
+    cores = cores if cores is not None else usable_cores()
+    return 1 if cores <= 3 else min(cores // 2, 8)
 
-    return Path(models.DEFAULT_REPOSITORY)
+
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may run on, capped by its cgroup's CPU quota (a container's CPU limit: a pod
+    limited to 4 CPUs on a 64-core node must not start 8 front ends)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1, min(cores, -(-int(quota) // int(period))))
+
+
+def _shipped_repository() -> Path:
+    # Found, not imported: importing fusedserve.models pulls in torch, which the supervisor and the
+    # front ends of --workers N never need (models.loading.DEFAULT_REPOSITORY is the same folder).
+    spec = importlib.util.find_spec("fusedserve.models")
+    return Path(next(iter(spec.submodule_search_locations))) / "repository"
 
 
 class Settings(BaseSettings):
@@ -22,6 +45,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     # KServe v2 gRPC on the same host (Triton's default port); 0 turns gRPC off.
     grpc_port: int = Field(8001, ge=0, le=65535)
+    # Front-end processes; 1 serves everything in one process, N > 1 adds one engine process
+    # (service.supervisor). The default grows with the cores (README, "Processes").
+    workers: int = Field(default_factory=default_workers, ge=1)
     model_repository: Path = Field(default_factory=_shipped_repository)
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:<index>"
     backend: str = "auto"  # "auto", "triton" or "torch"

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from fusedserve.service.batcher import Batcher
 from fusedserve.service.errors import BadInput, NotReady, UnknownModel
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.settings import Settings
 from fusedserve.service.stats import ServiceStats
+
+if TYPE_CHECKING:  # torch: only the process that runs the models imports it
+    from fusedserve.service.batcher import Batcher
 
 
 LOAD_FAILED, WARMUP_FAILED, UNLOADED = "failed to load", "warm-up failed", "unloaded"  # how ``failed`` reasons start
@@ -78,25 +80,43 @@ class ServiceState:
     def ready(self) -> bool:
         return self.serving and not self.draining and not self.stalled
 
+    @property
+    def reason(self) -> str:
+        """Why the service is not ready (or not live), for the probes and errors."""
+        return ("draining" if self.draining else
+                f"start-up failed: {self.startup_error}" if self.startup_error else
+                f"the batch loop stopped for {self.stalled}" if self.stalled else "warming up")
+
     def model(self, name: str | None) -> ModelInfo:
         """The named model; ``None`` picks the only one. Raises 404/422/503 with what to send."""
         if not self.serving:
             why = f"start-up failed: {self.startup_error}" if self.startup_error else \
                 "models are still loading or warming up"
             raise NotReady(f"the server is not ready: {why}", headers={"Retry-After": "1"})
-        if name is None:
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
-            raise BadInput(f"name the model: this server serves {sorted(self.models)}")
-        info = self.models.get(name)
-        if info is None and name in self.failed:
-            raise NotReady(f"model {name!r} is not ready: {self.failed[name]}")
-        if info is None:
-            raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(self.models)}")
-        return info
+        return pick_model(self.models, name, self.failed)
+
+
+def pick_model(models: dict[str, ModelInfo], name: str | None, failed: dict[str, str]) -> ModelInfo:
+    """The named model among ``models``; ``None`` picks the only one. Raises 404/422 with what to
+    send, or 503 with why for a model in ``failed``."""
+    if name is None:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise BadInput(f"name the model: this server serves {sorted(models)}")
+    info = models.get(name)
+    if info is None and name in failed:
+        raise NotReady(f"model {name!r} is not ready: {failed[name]}")
+    if info is None:
+        raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(models)}")
+    return info
 
 
 async def get_state(request: Request) -> ServiceState:
     # async on purpose: FastAPI runs a plain-def dependency in its thread pool, a thread hop per
     # request (on the 2-core dev machine ~12% of the event loop's time under load).
     return request.app.state.service
+
+
+async def get_engine(request: Request):
+    """The app's ``service.engine.Engine``: this process's models, or the engine process's."""
+    return request.app.state.engine

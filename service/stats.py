@@ -7,10 +7,12 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fusedserve.models.timing import LayerTiming
+if TYPE_CHECKING:  # a front-end process of --workers N never imports torch (models/)
+    from fusedserve.models.timing import LayerTiming
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

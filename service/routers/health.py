@@ -7,27 +7,26 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from fusedserve.service.state import ServiceState, get_state
+from fusedserve.service.engine import Engine
+from fusedserve.service.state import get_engine
 
 router = APIRouter(tags=["health"])
+EngineDep = Annotated[Engine, Depends(get_engine)]
 
 
 @router.get("/v2/health/live", summary="The process is up")
 @router.get("/healthz", include_in_schema=False)
-async def live(state: Annotated[ServiceState, Depends(get_state)]) -> JSONResponse:
-    # A dead batch loop cannot recover in-process: failing liveness gets the process restarted.
-    stalled = state.stalled
-    if stalled:
-        return JSONResponse({"live": False, "error": f"the batch loop stopped for {stalled}"}, status_code=503)
+async def live(engine: EngineDep) -> JSONResponse:
+    # A dead batch loop cannot recover in-process, nor can a front end whose engine process is gone
+    # and not yet back: failing liveness gets the process (or pod) restarted.
+    if not engine.live():
+        return JSONResponse({"live": False, "error": engine.reason()}, status_code=503)
     return JSONResponse({"live": True})
 
 
 @router.get("/v2/health/ready", summary="Models are loaded and warm, and the server is not draining")
 @router.get("/readyz", include_in_schema=False)
-async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> JSONResponse:
-    if state.ready:
+async def ready(engine: EngineDep) -> JSONResponse:
+    if engine.ready():
         return JSONResponse({"ready": True})
-    reason = ("draining" if state.draining else
-              f"start-up failed: {state.startup_error}" if state.startup_error else
-              f"the batch loop stopped for {state.stalled}" if state.stalled else "warming up")
-    return JSONResponse({"ready": False, "error": reason}, status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse({"ready": False, "error": engine.reason()}, status_code=503, headers={"Retry-After": "1"})

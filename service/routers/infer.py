@@ -7,6 +7,7 @@ from typing import Annotated
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
+from fusedserve.service.engine import Engine
 from fusedserve.service.errors import BadInput
 from fusedserve.service.inference import infer
 from fusedserve.service.inputs import dump_json, parse_json, read_body, rows_from_json
@@ -24,13 +25,13 @@ _EXAMPLE = {"model": "mymodel", "inputs": [[0.5, 3.0, -1.25], [1.0, 0.0, 2.0]]}
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"example": _EXAMPLE}}}},
 )
 async def infer_route(request: Request, state: Annotated[ServiceState, Depends(get_state)]) -> Response:
-    info, inputs = parse(state, await read_body(request, state.settings.max_body_bytes))
+    info, inputs = parse(request.app.state.engine, await read_body(request, state.settings.max_body_bytes))
     request.state.model = info.name
     x = rows(state, info, inputs)
     return Response(encode(info, await infer(state, request, info.name, x)), media_type="application/json")
 
 
-def parse(state: ServiceState, raw: bytes) -> tuple[ModelInfo, object]:
+def parse(engine: Engine, raw: bytes) -> tuple[ModelInfo, object]:
     """The model a ``/infer`` body names and its "inputs", or BadInput/UnknownModel/NotReady."""
     body = parse_json(raw)
     if not isinstance(body, dict):
@@ -40,7 +41,7 @@ def parse(state: ServiceState, raw: bytes) -> tuple[ModelInfo, object]:
         raise BadInput(f'"model" must be a string, got {type(name).__name__}')
     if "inputs" not in body:
         raise BadInput('body has no "inputs": send {"inputs": [[...], ...]}, one list of numbers per row')
-    return state.model(name), body["inputs"]
+    return engine.model(name), body["inputs"]
 
 
 def rows(state: ServiceState, info: ModelInfo, inputs) -> np.ndarray:

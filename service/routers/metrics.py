@@ -1,18 +1,18 @@
-"""GET /metrics in the Prometheus text format, from this app's own registry."""
+"""GET /metrics in the Prometheus text format, from the engine's registry (whichever process it runs in)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from fusedserve.service.state import ServiceState, get_state
+from fusedserve.service.engine import Engine
+from fusedserve.service.state import get_engine
 
 router = APIRouter(tags=["metrics"])
 
 
 @router.get("/metrics", summary="Prometheus metrics")
-async def metrics(state: Annotated[ServiceState, Depends(get_state)]) -> Response:
-    state.collect_timings()
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(engine: Annotated[Engine, Depends(get_engine)]) -> Response:
+    return Response(await engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)

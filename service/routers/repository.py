@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from fusedserve.service.errors import BadInput
+from fusedserve.service.errors import BadInput, NotServed
 from fusedserve.service.inputs import parse_json, read_body
 from fusedserve.service.repository import ModelControl
 
@@ -14,7 +14,11 @@ router = APIRouter(prefix="/v2/repository", tags=["model repository"])
 
 
 def _control(request: Request) -> ModelControl:
-    return request.app.state.control
+    control = request.app.state.control
+    if control is None:
+        raise NotServed("model control is not served with --workers > 1 yet: run one process (--workers 1) "
+                        "to load and unload models while serving")
+    return control
 
 
 @router.post("/index", summary="Every model of the repository: version, state (READY or UNAVAILABLE), reason")

@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 from fusedserve.service import tensors
 from fusedserve.service.errors import BadInput
 from fusedserve.service.inference import infer
+from fusedserve.service.engine import Engine
 from fusedserve.service.inputs import as_array, check_rows, dump_json, parse_json, read_body
-from fusedserve.service.state import ModelInfo, ServiceState, get_state
+from fusedserve.service.state import ModelInfo, ServiceState, get_engine, get_state
 from fusedserve.service.tensors import OUTPUT
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
@@ -22,11 +23,12 @@ router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 HEADER_LENGTH = "inference-header-content-length"
 
 State = Annotated[ServiceState, Depends(get_state)]
+EngineDep = Annotated[Engine, Depends(get_engine)]
 
 
-def model_info(state: ServiceState, name: str, version: str | None) -> ModelInfo:
+def model_info(engine: Engine, name: str, version: str | None) -> ModelInfo:
     """The named model (None: the only one) at ``version`` (None: any), or NotReady/UnknownModel."""
-    info = state.model(name)
+    info = engine.model(name)
     tensors.check_version(info, version)
     return info
 
@@ -38,17 +40,18 @@ async def server_metadata() -> dict:
 
 @router.get("/models/{model}", summary="Model metadata")
 @router.get("/models/{model}/versions/{version}", include_in_schema=False)
-async def model_metadata(state: State, model: str, version: str | None = None) -> dict:
-    return tensors.metadata(model_info(state, model, version))
+async def model_metadata(engine: EngineDep, model: str, version: str | None = None) -> dict:
+    return tensors.metadata(model_info(engine, model, version))
 
 
 @router.get("/models/{model}/ready", summary="Model readiness")
 @router.get("/models/{model}/versions/{version}/ready", include_in_schema=False)
-async def model_ready(state: State, model: str, version: str | None = None) -> JSONResponse:
-    if model in state.failed:  # loaded no further: not ready, and why
-        return JSONResponse({"name": model, "ready": False, "error": state.failed[model]}, status_code=503)
-    info = model_info(state, model, version)
-    ok = state.ready
+async def model_ready(engine: EngineDep, model: str, version: str | None = None) -> JSONResponse:
+    failed = engine.failed()
+    if model in failed:  # loaded no further: not ready, and why
+        return JSONResponse({"name": model, "ready": False, "error": failed[model]}, status_code=503)
+    info = model_info(engine, model, version)
+    ok = engine.ready()
     return JSONResponse({"name": info.name, "ready": ok}, status_code=200 if ok else 503)
 
 
@@ -117,8 +120,9 @@ def _wants_binary(req: dict) -> bool:
 
 @router.post("/models/{model}/infer", summary="Inference (JSON or binary tensors)")
 @router.post("/models/{model}/versions/{version}/infer", include_in_schema=False)
-async def model_infer(request: Request, state: State, model: str, version: str | None = None) -> Response:
-    info = model_info(state, model, version)
+async def model_infer(request: Request, state: State, engine: EngineDep, model: str,
+                      version: str | None = None) -> Response:
+    info = model_info(engine, model, version)
     request.state.model = info.name
     body = await read_body(request, state.settings.max_body_bytes)
     req, x, binary = decode(state, info, body, request.headers.get(HEADER_LENGTH))
@@ -151,9 +155,9 @@ def encode(info: ModelInfo, req: dict, binary: bool, out: np.ndarray) -> tuple[b
 
 @router.get("/models/{model}/stats", summary="Inference statistics (Triton's format)")
 @router.get("/models/{model}/versions/{version}/stats", include_in_schema=False)
-async def model_stats(state: State, model: str, version: str | None = None) -> dict:
-    info = model_info(state, model, version)
-    c = state.stats.model_counts(info.name)
+async def model_stats(engine: EngineDep, model: str, version: str | None = None) -> dict:
+    info = model_info(engine, model, version)
+    c = await engine.model_counts(info.name)
 
     def ns(seconds: float) -> int:
         return int(seconds * 1e9)

@@ -14,6 +14,8 @@ import json
 import signal
 import time
 
+import pytest
+
 from .conftest import Server, write_repository
 
 CLIENTS = 64
@@ -61,9 +63,12 @@ async def load_then_sigterm(server: Server, body: bytes, record: list, refused: 
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=DEADLINE_S)
 
 
-def test_sigterm_under_load_loses_no_request(tmp_path):
+# --workers 2: the supervisor passes SIGTERM to every front end; the engine stops after they drained.
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_under_load_loses_no_request(tmp_path, workers):
     repo = write_repository(tmp_path / "repo")
-    server = Server(repo, tmp_path / "server.log", "--drain-grace-s", "1.0", "--max-batch-size", "16")
+    server = Server(repo, tmp_path / "server.log", "--drain-grace-s", "1.0", "--max-batch-size", "16",
+                    "--workers", workers)
     try:
         server.wait_ready()
         body = json.dumps({"model": "tiny", "inputs": [[0.5, -1.0, 2.0]]}).encode()

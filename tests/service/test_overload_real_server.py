@@ -9,6 +9,7 @@ import json
 import re
 
 import httpx
+import pytest
 from fusedserve import models
 import torch
 
@@ -69,10 +70,12 @@ async def scenario(port: int) -> dict:
     return {"burst": burst, "late": late, "background": background}
 
 
-def test_overload_deadline_and_disconnect(tmp_path):
+# --workers 2: the queue, the deadlines and the withdrawals live in the engine process, behind the front ends.
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_overload_deadline_and_disconnect(tmp_path, workers):
     repo = write_slow_repository(tmp_path / "repo")
     server = Server(repo, tmp_path / "server.log", "--max-batch-size", "4", "--max-queue-rows", "16",
-                    "--max-delay-ms", "1", "--inline-batch-ms", "0", "--torch-threads", "1")
+                    "--max-delay-ms", "1", "--inline-batch-ms", "0", "--torch-threads", "1", "--workers", workers)
     try:
         server.wait_ready()
         got = asyncio.run(asyncio.wait_for(scenario(server.port), timeout=60))

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from fusedserve.service.cli import parser, settings_from_args
-from fusedserve.service.settings import Settings
+from fusedserve.service.settings import Settings, default_workers, usable_cores
 
 from .conftest import ROOT
 
@@ -28,6 +28,23 @@ def test_grpc_port_flag_and_environment(monkeypatch):
     assert settings_from_args(parser().parse_args(["serve", "--grpc-port", "0"])).grpc_port == 0, "0 turns it off"
     monkeypatch.delenv("FUSEDSERVE_GRPC_PORT")
     assert Settings().grpc_port == 8001, "Triton's default port"
+
+
+def test_workers_flag_environment_and_default_from_the_cores(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDSERVE_WORKERS", "3")
+    assert settings_from_args(parser().parse_args(["serve"])).workers == 3
+    assert settings_from_args(parser().parse_args(["serve", "--workers", "1"])).workers == 1
+    with pytest.raises(ValidationError, match="workers"):
+        Settings(workers=0)
+    # One process up to 3 cores (measured on the 2-core box: one beats two), then half, at most 8.
+    assert [default_workers(n) for n in (1, 2, 3, 4, 6, 16, 64)] == [1, 1, 1, 2, 3, 8, 8]
+    monkeypatch.delenv("FUSEDSERVE_WORKERS")
+    assert Settings().workers == default_workers(usable_cores())
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("100000 100000\n")  # a container limited to one CPU
+    assert usable_cores(cpu_max) == 1
+    cpu_max.write_text("max 100000\n")  # no limit: the CPUs it may run on
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0)) == usable_cores(tmp_path / "missing")
 
 
 def test_defaults_serve_the_shipped_repository_on_loopback(monkeypatch):

@@ -21,10 +21,11 @@ def repo(tmp_path_factory):
     return write_repository(tmp_path_factory.mktemp("repo"))
 
 
-@pytest.fixture(scope="module")
-def server(repo, tmp_path_factory):
+# One process, and --workers 2 (a supervisor, an engine process, two front ends): the same answers.
+@pytest.fixture(scope="module", params=["1", "2"], ids=["workers1", "workers2"])
+def server(repo, tmp_path_factory, request):
     s = Server(repo, tmp_path_factory.mktemp("log") / "server.log", "--max-batch-size", "16",
-               "--log-format", "json")
+               "--log-format", "json", "--workers", request.param)
     try:
         s.wait_ready()
         yield s

@@ -1,0 +1,214 @@
+"""The engine process of ``--workers N``: owns the models, the batchers, the runners (CUDA graphs) and
+the stats, and serves the front ends over one Unix stream socket each (``service.wire`` frames).
+
+Rows from every front end go through the same ``LocalEngine`` and so into one queue per model: a
+batch merges rows from all of them. A front end's connection closing withdraws its requests not
+yet in a batch. Started by ``service.supervisor`` (spawned, never forked: it may touch CUDA); SIGTERM
+stops it once the front ends have drained, SIGINT is the supervisor's to act on."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+
+from fusedserve.service import startup, wire
+from fusedserve.service.engine import LocalEngine
+from fusedserve.service.errors import ClientGone, NotReady, ServiceError
+from fusedserve.service.logs import configure
+from fusedserve.service.metrics import Metrics
+from fusedserve.service.settings import Settings
+from fusedserve.service.timing import LayerSinks
+from fusedserve.service.state import ServiceState
+from fusedserve.service.stats import ServiceStats
+
+log = logging.getLogger("fusedserve")
+STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to the front ends
+
+
+class Connection(asyncio.Protocol):
+    """One front end: its requests in flight (each with the future that withdraws it) and its outbox."""
+
+    def __init__(self, server: EngineServer, origin: int):
+        self.server = server
+        self.origin = origin  # tells this front end's requests apart in a batch
+        self.frames = wire.Frames()
+        self.withdraw: dict[int, asyncio.Future] = {}
+        self.outbox: wire.Outbox | None = None
+
+    def connection_made(self, transport) -> None:
+        self.outbox = wire.Outbox(transport)
+        self.server.connections.add(self)
+        self.outbox.send(wire.json_frame(wire.STATUS, 0, self.server.status()))
+
+    def connection_lost(self, exc) -> None:
+        self.server.connections.discard(self)
+        for future in self.withdraw.values():  # nobody is left to answer: never compute them
+            if not future.done():
+                future.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        for kind, ident, payload in self.frames.feed(data):
+            if kind == wire.INFER:
+                self._infer(ident, payload)
+            elif kind == wire.CANCEL:
+                future = self.withdraw.get(ident)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            elif kind == wire.CONTROL:
+                asyncio.ensure_future(self._control(ident, payload))
+
+    def _infer(self, ident: int, payload: bytearray) -> None:
+        loop = asyncio.get_running_loop()
+        withdraw = self.withdraw[ident] = loop.create_future()
+        loop.create_task(self._run(ident, payload, withdraw))
+
+    async def _run(self, ident: int, payload: bytearray, withdraw: asyncio.Future) -> None:
+        try:
+            model, x, timeout_s = wire.read_infer(payload)
+            out = await self.server.infer(model, x, timeout_s, withdraw, self.origin)
+        except ClientGone:
+            return  # the front end already answered its client
+        except ServiceError as exc:
+            self.outbox.send(wire.json_frame(wire.ERROR, ident, wire.error_payload(exc)))
+        except Exception as exc:  # noqa: BLE001 - a bug: answered, logged, never a hung request
+            log.exception("engine request failed")
+            self.outbox.send(wire.json_frame(wire.ERROR, ident, wire.error_payload(
+                ServiceError(f"internal error in the engine: {type(exc).__name__}: {exc}"))))
+        else:
+            self.outbox.send(*wire.result_frame(ident, out))
+        finally:
+            self.withdraw.pop(ident, None)
+
+    async def _control(self, ident: int, payload: bytearray) -> None:
+        try:
+            reply = await self.server.control(json.loads(payload))
+        except Exception as exc:  # noqa: BLE001 - the front end answers it as an error
+            log.exception("engine control message failed")
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        if ident:
+            self.outbox.send(wire.json_frame(wire.REPLY, ident, reply))
+
+
+class EngineServer:
+    """The engine's side of every front-end connection, over this process's ``ServiceState``."""
+
+    def __init__(self, state: ServiceState):
+        self.state = state
+        self.engine = LocalEngine(state)
+        self.connections: set[Connection] = set()
+        self._names: list[str] = []
+        self._last_status: dict | None = None
+
+    def status(self) -> dict:
+        state = self.state
+        self._names = list(state.models)
+        return {"models": [[m.name, m.in_features, m.out_features, m.dtype, m.backend, m.device, m.version]
+                           for m in state.models.values()],
+                "failed": dict(state.failed),
+                "serving": state.serving, "live": self.engine.live(), "ready": state.ready,
+                "reason": state.reason, "startup_error": state.startup_error}
+
+    async def watch_status(self) -> None:
+        """Push the status to every front end whenever it changes (warm, draining, a loop died)."""
+        while True:
+            status = self.status()
+            if status != self._last_status:
+                self._last_status = status
+                frame = wire.json_frame(wire.STATUS, 0, status)
+                for conn in list(self.connections):
+                    conn.outbox.send(frame)
+            await asyncio.sleep(STATUS_POLL_S)
+
+    async def infer(self, model: int, x, timeout_s: float, withdraw: asyncio.Future, origin: int):
+        if not self.state.serving or self.state.draining:
+            raise NotReady("the engine is not serving (warming up or stopping); retry shortly",
+                           headers={"Retry-After": "1"})
+        name = self._names[model]
+        info = self.state.models[name]
+        if x.shape[1] != info.in_features or x.shape[0] > self.state.settings.rows_per_request:
+            raise ServiceError(f"rows {x.shape} do not fit model {name!r}")  # the front end checks: a bug
+        return await self.engine.infer(name, x, timeout_s, abandon=withdraw, origin=origin)
+
+    async def control(self, message: dict):
+        op, engine = message.get("op"), self.engine
+        if op == "record_error":
+            engine.record_error(message["model"], message["outcome"])
+            return None
+        if op == "kernel_stats":
+            snap = await engine.kernel_stats()
+            snap["processes"] = {
+                "front_ends_connected": len(self.connections),
+                "batches_with_rows_from_several_front_ends": {
+                    name: b.mixed_batches for name, b in self.state.batchers.items()}}
+            return snap
+        if op == "reset_stats":
+            await engine.reset_stats()
+            for batcher in self.state.batchers.values():
+                batcher.mixed_batches = 0
+            return {"reset": True}
+        if op == "metrics":
+            return (await engine.metrics_text()).decode()
+        if op == "model_counts":
+            return await engine.model_counts(message["model"])
+        raise ValueError(f"unknown control op {op!r}")
+
+
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    # Orphaned (the supervisor was killed): nobody will restart or stop us; stop now.
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    stop.set()
+
+
+async def serve(settings: Settings, path: str, ready_fd: int | None) -> None:
+    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    state.metrics.watch_queues(state.batchers)
+    server = EngineServer(state)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    runners = await startup.load(state, LayerSinks((state.stats, state.metrics)))
+    if os.path.exists(path):
+        os.unlink(path)  # left by the engine this one replaces
+    origins = itertools.count(1)
+    listener = await loop.create_unix_server(lambda: Connection(server, next(origins)), path, backlog=1024)
+    if ready_fd is not None:  # tell the supervisor the models loaded: from now on a crash is restarted
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+    log.info("engine listening on %s", path)
+    tasks = [asyncio.create_task(startup.warm_up_and_serve(state, runners)),
+             asyncio.create_task(server.watch_status()), asyncio.create_task(_watch_parent(os.getppid(), stop))]
+    await stop.wait()
+    state.draining = True
+    await startup.stop(state, tasks[0])  # the batchers answer what they queued
+    listener.close()
+    for task in tasks[1:]:
+        task.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="fusedserve engine process (started by the supervisor)")
+    p.add_argument("--socket", required=True)
+    p.add_argument("--settings", required=True, help="Settings as JSON")
+    p.add_argument("--ready-fd", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text")
+    args = p.parse_args(argv)
+    configure(args.log_level, args.log_format)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us once the front ends are done
+    settings = Settings(**json.loads(args.settings))
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(settings, args.socket, args.ready_fd))
+    else:
+        uvloop.run(serve(settings, args.socket, args.ready_fd))
+
+
+if __name__ == "__main__":
+    main()

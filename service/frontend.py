@@ -1,0 +1,63 @@
+"""A front-end process of ``--workers N``: the FastAPI app and its hot path under uvicorn, on the
+listening socket the supervisor bound and handed down, with a ``RemoteEngine`` in place of the
+models. Every front end serves gRPC too, on one port shared with SO_REUSEPORT. SIGTERM drains it (``DrainingServer``) like a single process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+
+
+from fusedserve.service.app import create_app
+from fusedserve.service.logs import configure
+from fusedserve.service.server import DrainingServer, stop_accepting, uvicorn_config
+from fusedserve.service.settings import Settings
+
+SIBLINGS_SETTLE_S = 0.2  # how long after SIGTERM every front end's listener is surely closed
+
+
+class FrontEndServer(DrainingServer):
+    """``DrainingServer`` that also drains itself once orphaned (its supervisor was killed)."""
+
+    async def serve(self, sockets=None) -> None:
+        watch = asyncio.ensure_future(self._watch_parent(os.getppid()))
+        try:
+            await super().serve(sockets)
+        finally:
+            watch.cancel()
+
+    def _start_drain(self, sig: int, frame) -> None:
+        # Every front end closes its listener first and only then answers "Connection: close":
+        # otherwise clients told to reconnect land in a sibling's accept queue, which is reset when
+        # that sibling closes its listener a moment later.
+        stop_accepting(self)
+        self._loop.call_later(SIBLINGS_SETTLE_S, super()._start_drain, sig, frame)
+
+    async def _watch_parent(self, parent: int) -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        self.handle_exit(signal.SIGTERM, None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="fusedserve front-end process (started by the supervisor)")
+    p.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
+    p.add_argument("--engine", required=True, help="the engine process's Unix socket")
+    p.add_argument("--settings", required=True, help="Settings as JSON")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text")
+    args = p.parse_args(argv)
+    configure(args.log_level, args.log_format)
+    settings = Settings(**json.loads(args.settings))
+    app = create_app(settings, engine_process=args.engine)
+    config = uvicorn_config(app, settings, args.log_level)  # the guarded protocol, as one process has
+    # socket(fileno=) finds the family itself (TCP): asyncio then sets TCP_NODELAY on each connection.
+    FrontEndServer(config, app.state.service, settings.drain_grace_s).run(sockets=[socket.socket(fileno=args.fd)])
+
+
+if __name__ == "__main__":
+    main()

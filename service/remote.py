@@ -1,0 +1,222 @@
+"""``RemoteEngine``: the ``Engine`` of a front-end process (``--workers N``), over one Unix stream socket
+to the engine process (``service.wire`` frames: raw float32 rows, JSON only for control).
+
+The engine pushes its status (models, live, ready) on connect and on every change. While the engine
+process is gone, every request in flight and every new one is answered at once with 503 (NotReady,
+Retry-After) and the probes fail; the connection is retried until the restarted engine answers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import orjson
+
+from fusedserve.service import wire
+from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady
+from fusedserve.service.state import ModelInfo, ServiceState, pick_model
+
+log = logging.getLogger("fusedserve")
+RECONNECT_S = 0.05  # between attempts to reach the engine process
+CONTROL_TIMEOUT_S = 10.0  # a stats or metrics question the engine leaves unanswered this long fails
+# The engine enforces each deadline; this much later the front end answers 504 itself (a stuck engine).
+DEADLINE_SLACK_S = 0.1
+FIRST_STATUS_S = 5.0  # how long start() waits for a listening engine's first status
+GONE = "the engine process is not running (the supervisor restarts it); retry shortly"
+
+
+def _gone() -> NotReady:
+    return NotReady(GONE, headers={"Retry-After": "1"})
+
+
+class RemoteEngine(asyncio.Protocol):
+    """``service.engine.Engine`` for a front end; ``state`` is the front end's own (settings, draining)."""
+
+    def __init__(self, path: str, state: ServiceState):
+        self._path = path
+        self._state = state
+        self._transport: asyncio.Transport | None = None
+        self._outbox: wire.Outbox | None = None
+        self._frames = wire.Frames()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._status: dict | None = None  # the engine's last status; None while disconnected
+        self._models: dict[str, ModelInfo] = {}
+        self._index: dict[str, int] = {}
+        self._lost: asyncio.Future | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._first_try = asyncio.Event()
+
+    # -- the connection ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect; returns once the engine's status came, or at once if no engine listens yet (a
+        restarted front end must not answer its first requests 503 while its status is on the way)."""
+        self._first_try = asyncio.Event()
+        self._task = asyncio.create_task(self._keep_connected(), name="engine-connection")
+        try:
+            await asyncio.wait_for(self._first_try.wait(), FIRST_STATUS_S)
+        except asyncio.TimeoutError:
+            log.warning("the engine process sent no status within %.0f s; serving 503 until it does", FIRST_STATUS_S)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._transport is not None:
+            self._transport.close()
+
+    async def _keep_connected(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._lost = loop.create_future()
+            try:
+                await loop.create_unix_connection(lambda: self, self._path)
+            except OSError:
+                self._first_try.set()
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            await self._lost
+            await asyncio.sleep(RECONNECT_S)
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+        self._outbox = wire.Outbox(transport)
+        self._frames = wire.Frames()
+        log.info("connected to the engine process")
+
+    def connection_lost(self, exc) -> None:
+        if self._status is not None and not self._closing:
+            log.error("lost the engine process: answering its requests with 503 until it is back")
+        self._transport, self._outbox, self._status, self._models = None, None, None, {}
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(_gone())
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        for kind, ident, payload in self._frames.feed(data):
+            if kind == wire.STATUS:
+                self._set_status(orjson.loads(payload))
+                continue
+            future = self._pending.pop(ident, None)
+            if future is None or future.done():
+                continue  # withdrawn meanwhile
+            if kind == wire.RESULT:
+                future.set_result(wire.read_result(payload))
+            elif kind == wire.ERROR:
+                future.set_exception(wire.read_error(payload))
+            elif kind == wire.REPLY:
+                future.set_result(orjson.loads(payload))
+
+    def _set_status(self, status: dict) -> None:
+        self._models = {row[0]: ModelInfo(*row) for row in status["models"]}
+        self._index = {name: i for i, name in enumerate(self._models)}
+        self._status = status
+        self._first_try.set()
+
+    # -- the Engine protocol ------------------------------------------------------------------------
+    def models(self) -> Mapping[str, ModelInfo]:
+        return self._models
+
+    def live(self) -> bool:
+        return self._status is not None and self._status["live"]
+
+    def ready(self) -> bool:
+        return self._status is not None and self._status["ready"] and not self._state.draining
+
+    def reason(self) -> str:
+        if self._state.draining:
+            return "draining"
+        return GONE if self._status is None else self._status["reason"]
+
+    def failed(self) -> Mapping[str, str]:
+        return {} if self._status is None else self._status["failed"]
+
+    def model(self, name: str | None) -> ModelInfo:
+        status = self._status
+        if status is None:
+            raise _gone()
+        if not status["serving"]:
+            why = f"start-up failed: {status['startup_error']}" if status["startup_error"] else \
+                "models are still loading or warming up"
+            raise NotReady(f"the server is not ready: {why}", headers={"Retry-After": "1"})
+        return pick_model(self._models, name, self.failed())
+
+    async def infer(self, model: str, rows: np.ndarray, timeout_s: float,
+                    abandon: asyncio.Future | None = None) -> np.ndarray:
+        if self._outbox is None:
+            raise _gone()
+        loop = asyncio.get_running_loop()
+        ident = next(self._ids) & wire.ID_MASK
+        future = self._pending[ident] = loop.create_future()
+        self._outbox.send(*wire.infer_frame(ident, self._index[model], rows, timeout_s))
+        timer = loop.call_later(timeout_s + DEADLINE_SLACK_S, self._withdraw, ident, DeadlineExceeded(
+            f"no answer from model {model!r} within {timeout_s * 1000:.0f} ms; "
+            "raise the timeout or retry when the server is less loaded"))
+        gone = None
+        if abandon is not None:
+            def gone(_):
+                self._withdraw(ident, ClientGone(f"client disconnected before model {model!r} answered"))
+            abandon.add_done_callback(gone)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+            if gone is not None:
+                abandon.remove_done_callback(gone)
+            if not future.done():  # our caller was cancelled (a gRPC client left)
+                self._withdraw(ident, None)
+
+    def _withdraw(self, ident: int, error: Exception | None) -> None:
+        """End the wait of request ``ident`` with ``error`` (None: cancel) and tell the engine to drop it."""
+        future = self._pending.pop(ident, None)
+        if future is None or future.done():
+            return
+        if error is None:
+            future.cancel()
+        else:
+            future.set_exception(error)
+        if self._outbox is not None:
+            self._outbox.send(wire.cancel_frame(ident))
+
+    def record_error(self, model: str, outcome: str) -> None:
+        # The engine owns the metrics: a front end's refusals are counted there (lost while it is gone).
+        if self._outbox is not None:
+            self._outbox.send(wire.json_frame(wire.CONTROL, 0, {"op": "record_error", "model": model,
+                                                                  "outcome": outcome}))
+
+    async def _ask(self, op: str, **fields):
+        if self._outbox is None:
+            raise _gone()
+        ident = next(self._ids) & wire.ID_MASK
+        future = self._pending[ident] = asyncio.get_running_loop().create_future()
+        self._outbox.send(wire.json_frame(wire.CONTROL, ident, {"op": op, **fields}))
+        try:
+            reply = await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self._pending.pop(ident, None)
+            raise NotReady(f"the engine process did not answer {op!r} within {CONTROL_TIMEOUT_S:.0f} s") from None
+        if isinstance(reply, dict) and "error" in reply:
+            raise RuntimeError(f"the engine failed on {op!r}: {reply['error']}")
+        return reply
+
+    async def kernel_stats(self) -> dict:
+        return await self._ask("kernel_stats")
+
+    async def reset_stats(self) -> None:
+        await self._ask("reset_stats")
+
+    async def metrics_text(self) -> bytes:
+        return (await self._ask("metrics")).encode()
+
+    async def model_counts(self, model: str) -> dict:
+        counts = await self._ask("model_counts", model=model)
+        counts["batch_sizes"] = {int(k): v for k, v in counts["batch_sizes"].items()}
+        return counts

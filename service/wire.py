@@ -1,0 +1,124 @@
+"""The frames a front end and the engine process exchange over one Unix stream socket (``--workers N``).
+
+Every frame is a 9-byte header (payload length u32, kind u8, request id u32, little-endian) and its
+payload. Rows and outputs travel as raw float32 bytes after a small fixed header, never pickled;
+control messages (stats, metrics, status) are JSON, off the hot path. Writes made in one turn of the
+event loop leave in one system call (``Outbox``).
+
+Front end -> engine: INFER (model index u16, rows u32, cols u32, timeout s f32, rows*cols float32),
+CANCEL (the request's client left or its deadline passed), CONTROL (JSON ``{"op": ...}``).
+Engine -> front end: RESULT (rows u32, cols u32, float32 data), ERROR (JSON: the ServiceError's
+type, message and headers), REPLY (JSON answer to a CONTROL), STATUS (JSON: models, readiness)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import orjson
+
+from fusedserve.service import errors
+
+HEADER = struct.Struct("<IBI")
+INFER_HEAD = struct.Struct("<HIIf")
+RESULT_HEAD = struct.Struct("<II")
+INFER, CANCEL, CONTROL, RESULT, ERROR, REPLY, STATUS = range(1, 8)
+ID_MASK = 0xFFFFFFFF
+
+_ERRORS = {cls.__name__: cls for cls in (errors.ServiceError, errors.BadInput, errors.PayloadTooLarge,
+                                         errors.UnknownModel, errors.NotReady, errors.QueueFull,
+                                         errors.DeadlineExceeded, errors.BatchFailed, errors.ClientGone)}
+
+
+class Frames:
+    """Splits a byte stream into ``(kind, id, payload)`` frames; a payload is a writable copy
+    (numpy views of it hand torch memory it may write)."""
+
+    def __init__(self):
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, int, bytearray]]:
+        # Whole frames are copied once, straight out of ``data``; only a partial one waits in a buffer.
+        if self._buf:
+            self._buf += data
+            data = self._buf
+        view = memoryview(data)
+        frames, pos, size, head = [], 0, len(data), HEADER.size
+        while size - pos >= head:
+            length, kind, ident = HEADER.unpack_from(view, pos)
+            end = pos + head + length
+            if end > size:
+                break
+            frames.append((kind, ident, bytearray(view[pos + head:end])))
+            pos = end
+        rest = view[pos:]
+        self._buf = bytearray(rest) if len(rest) else bytearray()
+        return frames
+
+
+class Outbox:
+    """Frames queued during one turn of the event loop, written together at its end."""
+
+    def __init__(self, transport: asyncio.WriteTransport):
+        self._transport = transport
+        self._chunks: list = []
+        self._loop = asyncio.get_running_loop()
+
+    def send(self, *chunks) -> None:
+        if not self._chunks:
+            self._loop.call_soon(self._flush)
+        self._chunks.extend(chunks)
+
+    def _flush(self) -> None:
+        chunks, self._chunks = self._chunks, []
+        if not self._transport.is_closing():
+            # One write of the joined bytes: uvloop's writelines tries a send per chunk (measured: a
+            # flush of 64 answers cost the engine ~2.4 ms that way under cProfile).
+            self._transport.write(b"".join(chunks))
+
+
+def infer_frame(ident: int, model: int, rows: np.ndarray, timeout_s: float) -> tuple[bytes, memoryview]:
+    n, cols = rows.shape
+    head = HEADER.pack(INFER_HEAD.size + rows.nbytes, INFER, ident) + INFER_HEAD.pack(model, n, cols, timeout_s)
+    return head, rows.data.cast("B")
+
+
+def read_infer(payload: bytearray) -> tuple[int, np.ndarray, float]:
+    """``(model index, rows [n, cols] float32, timeout s)`` of an INFER payload."""
+    model, n, cols, timeout_s = INFER_HEAD.unpack_from(payload)
+    x = np.frombuffer(payload, dtype=np.float32, offset=INFER_HEAD.size)
+    if x.size != n * cols:
+        raise errors.BadInput(f"frame carries {x.size} values for {n} rows of {cols}")
+    return model, x.reshape(n, cols), timeout_s
+
+
+def result_frame(ident: int, out: np.ndarray) -> tuple[bytes, memoryview]:
+    out = np.ascontiguousarray(out, dtype=np.float32)
+    n, cols = out.shape
+    return HEADER.pack(RESULT_HEAD.size + out.nbytes, RESULT, ident) + RESULT_HEAD.pack(n, cols), out.data.cast("B")
+
+
+def read_result(payload: bytearray) -> np.ndarray:
+    n, cols = RESULT_HEAD.unpack_from(payload)
+    return np.frombuffer(payload, dtype=np.float32, offset=RESULT_HEAD.size).reshape(n, cols)
+
+
+def json_frame(kind: int, ident: int, payload) -> bytes:
+    body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+    return HEADER.pack(len(body), kind, ident) + body
+
+
+def cancel_frame(ident: int) -> bytes:
+    return HEADER.pack(0, CANCEL, ident)
+
+
+def error_payload(exc: errors.ServiceError) -> dict:
+    return {"type": type(exc).__name__, "message": exc.message, "headers": exc.headers}
+
+
+def read_error(payload: bytearray) -> errors.ServiceError:
+    """The ServiceError an ERROR frame carries, as its own class (its status and gRPC code)."""
+    body = orjson.loads(payload)
+    cls = _ERRORS.get(body.get("type"), errors.ServiceError)
+    return cls(body.get("message", "the engine failed"), headers=body.get("headers") or None)

@@ -1,0 +1,100 @@
+"""``RemoteEngine`` against the engine process's server (``EngineServer``) on a Unix socket, both in
+this event loop: a failed batch answers every request over the wire with its error, and a request
+withdrawn by the front end leaves the engine's queue before its batch runs."""
+
+import asyncio
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fusedserve.service.batcher import Batcher
+from fusedserve.service.engine_process import Connection, EngineServer
+from fusedserve.service.errors import BatchFailed, ClientGone
+from fusedserve.service.metrics import Metrics
+from fusedserve.service.remote import RemoteEngine
+from fusedserve.service.settings import Settings
+from fusedserve.service.state import ModelInfo, ServiceState
+from fusedserve.service.stats import ServiceStats
+
+ROW = np.array([[0.5, -1.0, 2.0]], dtype=np.float32)
+
+
+class GatedRunner:
+    """Blocks each batch on ``gate`` (in the batcher's worker thread), then fails it or echoes it."""
+
+    name = "m"
+    device = torch.device("cpu")
+
+    def __init__(self, fail: bool):
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.fail = fail
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        self.started.set()
+        self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("the kernel exploded")
+        return x[:, :2].clone()
+
+
+@pytest.fixture
+async def engines(tmp_path, request):
+    runner = GatedRunner(fail=request.param)
+    settings = Settings(device="cpu", grpc_port=0, workers=1, gc_freeze=False, max_batch_size=8)
+    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    state.models["m"] = ModelInfo("m", 3, 2, "float32", "torch", "cpu")
+    batcher = Batcher(runner, max_batch_size=8, max_delay_ms=1.0, max_queue_rows=64, inline_batch_ms=0.0)
+    batcher.start()
+    state.batchers["m"], state.serving = batcher, True
+    server, origins = EngineServer(state), itertools.count(1)
+    path = str(tmp_path / "engine.sock")
+    listener = await asyncio.get_running_loop().create_unix_server(lambda: Connection(server, next(origins)), path)
+    remote = RemoteEngine(path, ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics()))
+    await remote.start()
+    assert remote.ready(), remote.reason()
+    try:
+        yield remote, runner, batcher
+    finally:
+        runner.gate.set()
+        await remote.close()
+        listener.close()
+        await batcher.stop()
+
+
+@pytest.mark.parametrize("engines", [True], indirect=True)
+async def test_a_failed_batch_answers_every_request_over_the_wire(engines):
+    remote, runner, _ = engines
+    calls = [asyncio.create_task(remote.infer("m", ROW, 10.0)) for _ in range(3)]
+    await asyncio.to_thread(runner.started.wait, 5)
+    runner.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+    assert all(isinstance(r, BatchFailed) and "the kernel exploded" in r.message for r in results), results
+    assert all(r.status == 500 for r in results)
+
+
+@pytest.mark.parametrize("engines", [False], indirect=True)
+async def test_a_withdrawn_request_leaves_the_engine_queue(engines):
+    remote, runner, batcher = engines
+    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
+    await asyncio.to_thread(runner.started.wait, 5)  # the model is busy with the first request
+    leave = asyncio.get_running_loop().create_future()
+    second = asyncio.create_task(remote.infer("m", ROW, 10.0, abandon=leave))
+    for _ in range(200):
+        if batcher.queued_rows == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert batcher.queued_rows == 1, "the second request never reached the engine's queue"
+    leave.set_result(None)  # the client went away
+    with pytest.raises(ClientGone):
+        await second
+    for _ in range(200):  # the cancel frame withdraws it in the engine, before any batch takes it
+        if batcher.queued_rows == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert batcher.queued_rows == 0, "the withdrawn request stayed queued in the engine"
+    runner.gate.set()
+    np.testing.assert_array_equal(await asyncio.wait_for(first, 10), ROW[:, :2])
