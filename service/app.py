@@ -18,7 +18,7 @@ from fusedserve.service.errors import ServiceError
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.hotpath import HotPath
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
-from fusedserve.service.routers import health, infer, metrics, stats, v2
+from fusedserve.service.routers import health, infer, metrics, model_stats, stats, v2
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo, ServiceState
 from fusedserve.service.stats import ServiceStats
@@ -147,7 +147,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan,
                   summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
-    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    service_stats = ServiceStats()  # its outcome counts hear every request /metrics counts
+    state = ServiceState(settings=settings, stats=service_stats,
+                         metrics=Metrics(on_request=service_stats.record_outcome))
     app.state.service = state
     app.state.engine = LocalEngine(state)  # what the front ends (HTTP inference, gRPC) ask of the models
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
@@ -158,6 +160,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for module in (infer, v2, stats, health, metrics):
+    for module in (infer, v2, stats, health, metrics, model_stats):
         app.include_router(module.router)
     return app
