@@ -18,7 +18,7 @@ from fusedserve.service.errors import ServiceError
 from fusedserve.service.metrics import Metrics
 from fusedserve.service.hotpath import HotPath
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
-from fusedserve.service.routers import health, infer, metrics, model_stats, stats, v2
+from fusedserve.service.routers import dashboard, health, infer, metrics, model_stats, stats, v2
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo, ServiceState
 from fusedserve.service.stats import ServiceStats
@@ -160,6 +160,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for module in (infer, v2, stats, health, metrics, model_stats):
+    for module in (infer, v2, stats, health, metrics, model_stats, dashboard):
         app.include_router(module.router)
     return app
