@@ -4,7 +4,7 @@
 
 const KEY_STORE = "fusedserve-api-key";
 const COLORS = ["#2f6fdb", "#e0803a", "#2e8b57", "#b03a8c", "#8a6d1d", "#3aa6b9", "#6b5bd6", "#c0392b"];
-const page = { timer: null, paused: false, waitingForKey: false, previous: null };
+const page = { timer: null, run: 0, paused: false, waitingForKey: false, previous: null };
 
 class KeyNeeded extends Error {}
 
@@ -237,24 +237,27 @@ function setStatus(text, error = false) {
   status.classList.toggle("error", error);
 }
 
-async function poll() {
+async function poll(once = false) {
+  // One chain of polls: a newer call (reset, a new interval) supersedes any answer still on its way.
   clearTimeout(page.timer);
-  if (page.paused || page.waitingForKey) return;
+  const run = ++page.run;
+  if ((page.paused && !once) || page.waitingForKey) return;
   try {
     const [models, kernels] = await Promise.all([api("model-stats"), api("kernel-stats")]);
+    if (run !== page.run) return;
     render(models, kernels);
   } catch (e) {
-    if (e instanceof KeyNeeded) return; // polling resumes once a key is entered
+    if (e instanceof KeyNeeded || run !== page.run) return; // polling resumes once a key is entered
     setStatus(`cannot read the stats: ${e.message}`, true);
   }
-  page.timer = setTimeout(poll, Number(document.getElementById("interval").value));
+  if (!page.paused) page.timer = setTimeout(poll, Number(document.getElementById("interval").value));
 }
 
 async function reset() {
   try {
     await api("kernel-stats/reset", { method: "POST" });
     page.previous = null;
-    poll();
+    poll(true);
   } catch (e) {
     if (!(e instanceof KeyNeeded)) setStatus(`reset failed: ${e.message}`, true);
   }
@@ -262,11 +265,12 @@ async function reset() {
 
 function start() {
   document.getElementById("reset").addEventListener("click", reset);
-  document.getElementById("interval").addEventListener("change", poll);
+  document.getElementById("interval").addEventListener("change", () => poll());
   document.getElementById("pause").addEventListener("click", (e) => {
     page.paused = !page.paused;
     e.target.textContent = page.paused ? "Resume" : "Pause";
-    poll();
+    if (page.paused) clearTimeout(page.timer);
+    else poll();
   });
   document.getElementById("auth").addEventListener("submit", (e) => {
     e.preventDefault();

@@ -120,6 +120,13 @@ def test_page_lists_models_moves_under_load_and_resets(browser, server, tmp_path
     shot = Path(os.environ.get("FUSEDSERVE_DASHBOARD_SCREENSHOT") or tmp_path / "dashboard.png")
     assert full_page_png(browser, shot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    browser.find_element("id", "pause").click()  # paused, the page holds its figures...
+    _burst(server, ok=4, bad=0)  # tiny: 3 more
+    time.sleep(2.5)
+    assert _field(browser, "tiny", "requests") == "33", "the page redrew while paused"
+    browser.find_element("id", "pause").click()  # ...and catches up once resumed
+    _wait(browser, "36 requests to tiny", lambda d: _field(d, "tiny", "requests") == "36")
+
     browser.find_element("id", "reset").click()
     _wait(browser, "the figures cleared", lambda d: _field(d, "tiny", "requests") == "0")
     assert _field(browser, "tiny", "errors") == "none" and _field(browser, "wide", "requests") == "0"
