@@ -53,6 +53,10 @@ function fmtNumber(x, digits = 3) {
   return Number(x.toPrecision(digits)).toString();
 }
 
+function fmtShare(percent) {
+  return percent < 1 ? percent.toPrecision(2) : percent.toFixed(1);
+}
+
 function figure(label, value, field, bad = false) {
   return el("div", { class: "figure" + (bad ? " bad" : "") },
     el("div", { class: "label" }, label), el("div", { class: "value", "data-field": field }, value));
@@ -155,7 +159,7 @@ function roofline(layers, peaks, dtype) {
     const share = (100 * r.tflops) / Math.min(peak, ai * tbps);
     svg.append(el("circle", { cx: x(ai), cy: y(r.tflops), r: 4, fill: color, "fill-opacity": 0.8 },
       el("title", {}, `${r.layer} M=${r.M}: ${fmtNumber(r.tflops)} TFLOP/s, ${fmtNumber(r.gbps)} GB/s, ` +
-        `${share.toFixed(1)}% of the roof`)));
+        `${fmtShare(share)}% of the roof`)));
   }
   if (!pts.length) svg.append(el("text", { x: left + 10, y: H / 2 }, "no layer timings since reset"));
   return svg;
@@ -178,7 +182,7 @@ function layerTable(layers, peaks, choices) {
       showChoice ? el("td", { class: "choice-" + choice }, choice) : null,
       el("td", { "data-field": "calls" }, fmtNumber(r.calls)), el("td", {}, fmtSeconds(r.p50_s)),
       el("td", {}, fmtSeconds(r.p99_s)), el("td", {}, fmtNumber(r.tflops)), el("td", {}, fmtNumber(r.gbps)),
-      el("td", {}, roof > 0 ? ((100 * r.tflops) / roof).toFixed(1) : "–"), el("td", { class: "config" }, r.config || "–")));
+      el("td", {}, roof > 0 ? fmtShare((100 * r.tflops) / roof) : "–"), el("td", { class: "config" }, r.config || "–")));
   }
   table.append(body);
   return table;
