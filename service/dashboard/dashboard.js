@@ -87,25 +87,28 @@ function renderFigures(name, model, kernel, now) {
 }
 
 function histogram(counts) {
-  // Bars of batches per batch size (rows), one per size seen.
+  // Bars of batches per batch size (rows), one per size seen; with many sizes, some labels only.
   const entries = Object.entries(counts || {}).map(([k, v]) => [Number(k), v]).sort((a, b) => a[0] - b[0]);
-  const W = 300, H = 170, left = 30, bottom = 20, top = 26;
+  const W = 340, H = 170, left = 30, bottom = 20, top = 26;
   const svg = el("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, "data-chart": "batch-sizes" });
   svg.append(el("line", { class: "axis", x1: left, y1: H - bottom, x2: W - 4, y2: H - bottom }));
+  svg.append(el("text", { x: 2, y: 10 }, "batches by rows"));
   if (!entries.length) {
     svg.append(el("text", { x: left + 10, y: H / 2 }, "no batches since reset"));
     return svg;
   }
   const max = Math.max(...entries.map((e) => e[1]));
-  const slot = (W - left - 8) / entries.length, width = Math.max(2, Math.min(28, slot - 3));
+  const slot = (W - left - 8) / entries.length, width = Math.max(1, Math.min(28, slot - 2));
+  const every = Math.ceil(entries.length / 10); // at most ~10 size labels under the bars
+  svg.append(el("text", { x: left - 4, y: top + 3, "text-anchor": "end" }, fmtNumber(max)));
   entries.forEach(([size, n], i) => {
     const h = ((H - bottom - top) * n) / max, x = left + i * slot + (slot - width) / 2;
     svg.append(el("rect", { class: "bar", x, y: H - bottom - h, width, height: h },
       el("title", {}, `${n} batches of ${size} rows`)));
-    svg.append(el("text", { x: x + width / 2, y: H - 6, "text-anchor": "middle" }, size));
-    svg.append(el("text", { x: x + width / 2, y: H - bottom - h - 2, "text-anchor": "middle" }, n));
+    if (i % every === 0 || i === entries.length - 1)
+      svg.append(el("text", { x: x + width / 2, y: H - 6, "text-anchor": "middle" }, size));
+    if (slot >= 16) svg.append(el("text", { x: x + width / 2, y: H - bottom - h - 2, "text-anchor": "middle" }, n));
   });
-  svg.append(el("text", { x: 2, y: 10 }, "batches by rows"));
   return svg;
 }
 
