@@ -1,8 +1,9 @@
 """Screenshots of the live page (/dashboard) from a headless chromium, and a way to show a GPU host's
 figures on a machine that has a browser: the GPU host has none (and no network).
 
-    # on the GPU host, while `fusedserve serve` runs under load (bench/load.py):
-    python bench/dashboard_shot.py capture --url http://127.0.0.1:8000 --out bench/results/dashboard_h200.json
+    # on the GPU host: bash bench/gpu_check.sh dashboard (a server on the GPU, driven, then captured), or
+    # against any running server (drive: 20 s of requests of 1-32 rows from 8 threads, then capture):
+    python bench/dashboard_shot.py drive --url http://127.0.0.1:8000 --out bench/results/dashboard_h200.json
     # here (Debian: apt-get install chromium chromium-driver), the page drawn from that capture:
     python bench/dashboard_shot.py replay bench/results/dashboard_h200.json docs/dashboard_h200.png
 
@@ -72,6 +73,38 @@ def capture(url: str, out: Path) -> dict:
     return data
 
 
+def drive(url: str, seconds: float, out: Path, clients: int = 8) -> dict:
+    """Requests of 1 to 32 rows to every served model from ``clients`` threads for ``seconds``, and a
+    few the server refuses (so errors by status show), after a reset; then ``capture``."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    url = url.rstrip("/")
+    widths = {name: m["in_features"] for name, m in _get(url + "/model-stats")["models"].items()}
+    httpx.post(url + "/kernel-stats/reset", timeout=10).raise_for_status()
+    end = time.monotonic() + seconds
+
+    def client(seed: int) -> int:
+        rng, sent = random.Random(seed), 0
+        with httpx.Client(base_url=url, timeout=30) as c:
+            while time.monotonic() < end:
+                name = rng.choice(sorted(widths))
+                rows = rng.choice((1, 1, 1, 2, 3, 4, 8, 13, 16, 32))
+                c.post("/infer", json={"model": name, "inputs": [[rng.random() for _ in range(widths[name])]] * rows})
+                sent += 1
+        return sent
+
+    with ThreadPoolExecutor(clients) as pool:
+        sent = sum(pool.map(client, range(clients)))
+    with httpx.Client(base_url=url, timeout=30) as c:
+        for name in sorted(widths):  # a row of the wrong width: 422
+            c.post("/infer", json={"model": name, "inputs": [[0.0] * (widths[name] + 1)]})
+    print(f"drive: {sent} requests in {seconds} s to {sorted(widths)}")
+    return capture(url, out)
+
+
 def _replay_handler(data: dict):
     from fusedserve.service.routers.dashboard import ASSETS, asset
 
@@ -131,12 +164,16 @@ def main() -> None:
     c = sub.add_parser("capture", help="save a running server's /model-stats and /kernel-stats")
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--out", type=Path, required=True)
+    d = sub.add_parser("drive", help="reset, send requests for --seconds, then capture")
+    d.add_argument("--url", default="http://127.0.0.1:8000")
+    d.add_argument("--seconds", type=float, default=20.0)
+    d.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("replay", help="draw a capture in chromium and save a PNG")
     r.add_argument("capture", type=Path)
     r.add_argument("png", type=Path)
     args = top.parse_args()
-    if args.command == "capture":
-        data = capture(args.url, args.out)
+    if args.command in ("capture", "drive"):
+        data = capture(args.url, args.out) if args.command == "capture" else drive(args.url, args.seconds, args.out)
         print(f"{args.out}: {sorted(data['model_stats']['models'])} at {data['captured_utc']}")
     else:
         print(replay(args.capture, args.png))

@@ -11,6 +11,8 @@
 # smoke: a few minutes of GPU tests across every kernel family and the runner, after a refactor.
 # tests-gluon-small, tests-gluon-ws, tests-tma: one family's GPU tests.
 # e2e: a real server on the GPU answers POST /infer; its answers must match the CPU model.
+# dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
+#   20 s; the live page's JSON saved to dashboard_h200.json (bench/dashboard_shot.py replay draws it).
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_h200_$KERNELS_TAG.json.
@@ -98,6 +100,29 @@ PY
     echo "--- server log (tail)"; tail -n 40 /tmp/fusedserve-e2e.log
 }
 
+dashboard() {  # a real server on the GPU under load, its page's JSON captured; stopped by its PID
+    local port=18002 pid ready=0
+    python3 -m fusedserve serve --device "${DASHBOARD_DEVICE:-cuda}" --port "$port" --grpc-port 0 \
+        ${DASHBOARD_REPOSITORY:+--model-repository "$DASHBOARD_REPOSITORY"} > /tmp/fusedserve-dashboard.log 2>&1 &
+    pid=$!
+    for _ in $(seq 1 300); do
+        if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/v2/health/ready').status_code != 200)" 2>/dev/null; then
+            ready=1; break
+        fi
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 1
+    done
+    if [ "$ready" = 1 ]; then
+        python3 bench/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out/dashboard_h200.json"
+    else
+        echo "dashboard: server never became ready"
+    fi
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+    echo "--- server log (tail)"; tail -n 20 /tmp/fusedserve-dashboard.log
+}
+
 ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NCU_RUNS kernel:pick at NCU_SHAPES
     local spec name pick shape csv
     for shape in ${NCU_SHAPES:-256x11008x4096}; do
@@ -160,6 +185,7 @@ for s in "${stages[@]}"; do
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
             --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" --tag h200_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
+        dashboard) echo "=== dashboard ($(date -u +%H:%M:%S))" | tee -a "$log"; dashboard 2>&1 | tee -a "$log" ;;
         model) stage model 300 python3 bench/model.py --quick --out "$out" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag h200_quick --out "$out" ;;
         kernels-at) stage kernels-at $((${KERNELS_BUDGET_S:-270} + 60)) python3 bench/kernels.py --quick --no-compile \

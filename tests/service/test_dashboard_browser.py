@@ -6,6 +6,7 @@ Skips, saying what is missing, without chromium, chromedriver or selenium; ``mak
 installs them where it can and fails instead of skipping (FUSEDSERVE_REQUIRE_BROWSER=1). The
 screenshot goes to FUSEDSERVE_DASHBOARD_SCREENSHOT (``make browser-test``: docs/dashboard_cpu.png)."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from bench.dashboard_shot import browser_paths, capture, chrome, full_page_png, replay
+from fusedserve.service.peaks import gpu_peaks
 
 from .conftest import Server, write_repository
 
@@ -137,15 +139,37 @@ def test_page_lists_models_moves_under_load_and_resets(browser, server, tmp_path
 
 
 def test_a_capture_replays_into_the_page(browser, server, tmp_path):
-    # How a GPU host's figures reach a screenshot: saved there, drawn here by the same page.
+    # How a GPU host's figures reach a screenshot: saved there, drawn here by the same page. The
+    # capture is dressed as an H200's whose buckets are provisional or tuned (the startup work).
     _burst(server, ok=8, bad=1)
+    end = time.monotonic() + 10  # layer timings are sampled (at most one per min_interval_s)
+    while not any(r["model"] == "tiny" for r in httpx.get(server.url + "/kernel-stats").json()["layers"]):
+        assert time.monotonic() < end, "no layer of tiny timed"
+        _burst(server, ok=2, bad=0)
+        time.sleep(0.05)
     data = capture(server.url, tmp_path / "capture.json")
     requests = data["model_stats"]["models"]["tiny"]["requests"]
     assert requests >= 7, data["model_stats"]
-    png = replay(tmp_path / "capture.json", tmp_path / "replay.png", driver=browser)
+    for model in data["model_stats"]["models"].values():
+        model["device"] = "cuda:0"
+    data["model_stats"]["devices"] = {"cuda:0": gpu_peaks("NVIDIA H200")}
+    tiny_layers = [r for r in data["kernel_stats"]["layers"] if r["model"] == "tiny"]
+    buckets = sorted({r["M"] for r in tiny_layers})
+    data["kernel_stats"]["served"]["tiny"]["choices"] = {str(b): "provisional" if i % 2 else "tuned"
+                                                         for i, b in enumerate(buckets)}
+    (tmp_path / "h200.json").write_text(json.dumps(data))
+    png = replay(tmp_path / "h200.json", tmp_path / "replay.png", driver=browser)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _field(browser, "tiny", "requests") == str(requests)
     assert "replayed" in browser.find_element("id", "status").text
+    device = browser.execute_script("const p = document.querySelector('[data-device=\"cuda:0\"]');"
+                                    "return [p.textContent, p.querySelector('.estimate') !== null]")
+    assert "NVIDIA H200" in device[0] and "715 TFLOP/s bfloat16" in device[0] and not device[1], device
+    choices = browser.execute_script("return [...document.querySelectorAll("
+                                     "'section[data-model=\"tiny\"] td[class^=choice-]')].map(c => c.textContent)")
+    want = [data["kernel_stats"]["served"]["tiny"]["choices"][str(r["M"])] for r in tiny_layers]
+    assert choices == want, (choices, want)
+    assert not _count(browser, 'section[data-model="wide"] td[class^=choice-]'), "wide reports no choices"
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, f"console errors: {errors}"
 
