@@ -58,6 +58,7 @@ class ServiceStats:
         self._lock = threading.Lock()
         self._layers: dict[tuple, _LayerSeries] = {}
         self._models: dict[str, _ModelSeries] = {}
+        self._unattributed: Counter = Counter()  # outcomes of requests refused before naming a model
         self._since = time.time()
 
     def _model(self, name: str) -> _ModelSeries:
@@ -105,21 +106,22 @@ class ServiceStats:
     def record_outcome(self, model: str, outcome: str) -> None:
         """One request answered, by the outcome label /metrics counts it under ("ok", "bad_input"...)."""
         with self._lock:
-            self._model(model).outcomes[outcome] += 1
+            (self._model(model).outcomes if model else self._unattributed)[outcome] += 1
 
     def reset(self) -> None:
         with self._lock:
             self._layers.clear()
             self._models.clear()
+            self._unattributed.clear()
             self._since = time.time()
 
     def snapshot(self) -> dict:
         with self._lock:
             layers = [self._layer_row(key, s) for key, s in self._layers.items()]
             models = {name: self._model_row(s) for name, s in self._models.items()}
-            since = self._since
+            since, unattributed = self._since, dict(self._unattributed)
         layers.sort(key=lambda row: (row["model"], row["layer"], row["M"]))
-        return {"since_unix_s": since, "layers": layers, "models": models}
+        return {"since_unix_s": since, "layers": layers, "models": models, "unattributed_outcomes": unattributed}
 
     def model_counts(self, model: str) -> dict:
         """Raw counters of one model, for the Open Inference Protocol statistics route."""

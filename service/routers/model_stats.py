@@ -58,7 +58,7 @@ async def model_stats(state: Annotated[ServiceState, Depends(get_state)]) -> dic
         models[name] = _model_row(info, snap["models"].get(name, {}), batcher.queued_rows if batcher else 0,
                                   window_s, statuses)
     # Refused before a served model was known (no model named, an unknown one): counted apart.
-    stray: dict[str, int] = {}
+    stray = dict(snap["unattributed_outcomes"])
     for name, row in snap["models"].items():
         if name not in state.models:
             for outcome, count in row.get("outcomes", {}).items():

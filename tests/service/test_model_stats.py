@@ -5,6 +5,7 @@ import pytest
 
 from fusedserve.service import peaks
 from fusedserve.service.routers.model_stats import by_status, outcome_statuses
+from fusedserve.service.stats import ServiceStats
 
 ROWS = [[0.5, -1.0, 2.0], [3.0, 0.0, -7.0]]
 
@@ -28,6 +29,8 @@ async def test_model_stats_count_requests_latency_and_errors_by_status(client):
     assert (tiny["device"], tiny["dtype"], tiny["in_features"], tiny["out_features"]) == ("cpu", "float32", 3, 2)
     assert wide["requests"] == 0 and wide["errors_by_status"] == {} and wide["latency"]["p50_s"] == 0, wide
     assert body["unattributed"] == {"requests": 1, "errors_by_status": {"404": 1}}, body["unattributed"]
+    kernel = (await client.get("/kernel-stats")).json()
+    assert sorted(kernel["models"]) == ["tiny"] and kernel["unattributed_outcomes"] == {"unknown_model": 1}, kernel
     cpu = body["devices"]["cpu"]
     assert cpu["estimate"] is True and "estimate" in cpu["source"] and cpu["tbps"] > 0, cpu
     assert set(cpu["tflops"]) == {"float32", "float16", "bfloat16"}, cpu
@@ -44,6 +47,18 @@ async def test_reset_clears_model_stats_with_the_kernel_stats(client):
     assert (wide["requests"], wide["errors_by_status"], wide["latency"]["count"]) == (0, {}, 0), wide
     assert after["since_unix_s"] > before["since_unix_s"], (before["since_unix_s"], after["since_unix_s"])
     assert (await client.get("/kernel-stats")).json()["layers"] == []
+
+
+def test_outcomes_without_a_model_stay_out_of_the_models():
+    stats = ServiceStats()
+    stats.record_outcome("m", "ok")
+    stats.record_outcome("", "bad_input")
+    stats.record_outcome("", "bad_input")
+    snap = stats.snapshot()
+    assert list(snap["models"]) == ["m"] and snap["models"]["m"]["outcomes"] == {"ok": 1}, snap["models"]
+    assert snap["unattributed_outcomes"] == {"bad_input": 2}
+    stats.reset()
+    assert stats.snapshot()["unattributed_outcomes"] == {} and stats.snapshot()["models"] == {}
 
 
 def test_every_outcome_maps_to_its_status():
