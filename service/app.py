@@ -18,7 +18,7 @@ from fusedserve.service.hotpath import HotPath, route
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
 from fusedserve.service.remote import RemoteEngine
 from fusedserve.service.repository import ModelControl
-from fusedserve.service.routers import health, infer, metrics, repository, stats, v2
+from fusedserve.service.routers import dashboard, health, infer, metrics, model_stats, repository, stats, v2
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ServiceState
@@ -133,7 +133,9 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan, **docs,
                      summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
-    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    service_stats = ServiceStats()  # its outcome counts hear every request /metrics counts
+    state = ServiceState(settings=settings, stats=service_stats,
+                         metrics=Metrics(on_request=service_stats.record_outcome))
     app.state.service = state
     # What the front ends (HTTP inference, gRPC) ask of the models: here, or in the engine process.
     app.state.engine = LocalEngine(state) if engine_process is None else RemoteEngine(engine_process, state)
@@ -153,6 +155,6 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for module in (infer, v2, repository, stats, health, metrics):
+    for module in (infer, v2, repository, stats, health, metrics, model_stats, dashboard):
         app.include_router(module.router)
     return app

@@ -59,6 +59,9 @@ class Engine(Protocol):
     async def metrics_text(self) -> bytes:
         """``GET /metrics`` in the Prometheus text format."""
 
+    async def model_stats(self) -> dict:
+        """``GET /model-stats``: per model request rate, latency, queue depth, errors by status."""
+
     async def model_counts(self, model: str) -> dict:
         """``ServiceStats.model_counts`` of one model, for the v2 statistics route."""
 
@@ -124,6 +127,11 @@ class LocalEngine:
 
     async def model_counts(self, model: str) -> dict:
         return self._state.stats.model_counts(model)
+
+    async def model_stats(self) -> dict:
+        from fusedserve.service.routers.model_stats import snapshot
+
+        return snapshot(self._state)
 
 
 def _choices(runner) -> dict:

@@ -153,6 +153,8 @@ class EngineServer:
             return {"reset": True}
         if op == "metrics":
             return (await engine.metrics_text()).decode()
+        if op == "model_stats":
+            return await engine.model_stats()
         if op == "model_counts":
             return await engine.model_counts(message["model"])
         raise ValueError(f"unknown control op {op!r}")

@@ -57,8 +57,11 @@ class _ModelReadiness:
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, on_request: Callable[[str, str], None] | None = None):
+        """``on_request(model, outcome)`` also hears every request counted (the stats object's
+        ``record_outcome``: errors by status there clear on reset, Prometheus counters never do)."""
         self.registry = CollectorRegistry()
+        self._on_request = on_request
         r = self.registry
         self.requests = Counter("fusedserve_requests", "Inference requests by model and outcome",
                                 ["model", "outcome"], registry=r)
@@ -118,3 +121,5 @@ class Metrics:
         if counter is None:
             counter = self._requests[key] = self.requests.labels(model, outcome)
         counter.inc()
+        if self._on_request is not None:
+            self._on_request(model, outcome)

@@ -216,6 +216,9 @@ class RemoteEngine(asyncio.Protocol):
     async def metrics_text(self) -> bytes:
         return (await self._ask("metrics")).encode()
 
+    async def model_stats(self) -> dict:
+        return await self._ask("model_stats")
+
     async def model_counts(self, model: str) -> dict:
         counts = await self._ask("model_counts", model=model)
         counts["batch_sizes"] = {int(k): v for k, v in counts["batch_sizes"].items()}

@@ -45,6 +45,9 @@ class _ModelSeries:
     failures: int = 0
     failure_s: float = 0.0
     last_inference_ms: int = 0
+    # Request latency samples (queue + compute, as the engine saw it) and every answer by outcome.
+    latencies: deque = field(default_factory=deque)
+    outcomes: Counter = field(default_factory=Counter)
 
 
 class ServiceStats:
@@ -57,12 +60,14 @@ class ServiceStats:
         self._lock = threading.Lock()
         self._layers: dict[tuple, _LayerSeries] = {}
         self._models: dict[str, _ModelSeries] = {}
+        self._unattributed: Counter = Counter()  # outcomes of requests refused before naming a model
         self._since = time.time()
 
     def _model(self, name: str) -> _ModelSeries:
         series = self._models.get(name)
         if series is None:
-            series = self._models[name] = _ModelSeries(waits=deque(maxlen=self._reservoir))
+            series = self._models[name] = _ModelSeries(waits=deque(maxlen=self._reservoir),
+                                                       latencies=deque(maxlen=self._reservoir))
         return series
 
     def record_layer(self, timing: LayerTiming) -> None:
@@ -92,6 +97,7 @@ class ServiceStats:
     def record_request(self, model: str, ok: bool, seconds: float) -> None:
         with self._lock:
             series = self._model(model)
+            series.latencies.append(seconds)
             if ok:
                 series.success += 1
                 series.success_s += seconds
@@ -99,19 +105,25 @@ class ServiceStats:
                 series.failures += 1
                 series.failure_s += seconds
 
+    def record_outcome(self, model: str, outcome: str) -> None:
+        """One request answered, by the outcome label /metrics counts it under ("ok", "bad_input"...)."""
+        with self._lock:
+            (self._model(model).outcomes if model else self._unattributed)[outcome] += 1
+
     def reset(self) -> None:
         with self._lock:
             self._layers.clear()
             self._models.clear()
+            self._unattributed.clear()
             self._since = time.time()
 
     def snapshot(self) -> dict:
         with self._lock:
             layers = [self._layer_row(key, s) for key, s in self._layers.items()]
             models = {name: self._model_row(s) for name, s in self._models.items()}
-            since = self._since
+            since, unattributed = self._since, dict(self._unattributed)
         layers.sort(key=lambda row: (row["model"], row["layer"], row["M"]))
-        return {"since_unix_s": since, "layers": layers, "models": models}
+        return {"since_unix_s": since, "layers": layers, "models": models, "unattributed_outcomes": unattributed}
 
     def model_counts(self, model: str) -> dict:
         """Raw counters of one model, for the Open Inference Protocol statistics route."""
@@ -143,6 +155,8 @@ class ServiceStats:
     @staticmethod
     def _model_row(s: _ModelSeries) -> dict:
         p50, p99 = _percentiles(s.waits)
+        latency_p50, latency_p99 = _percentiles(s.latencies)
+        answered = s.success + s.failures
         return {
             "batches": s.batches, "rows": s.rows, "compute_s": s.compute_s,
             "batch_size_histogram": {str(k): v for k, v in sorted(s.batch_sizes.items())},
@@ -150,4 +164,7 @@ class ServiceStats:
                            "mean_s": s.wait_total_s / s.wait_count if s.wait_count else 0.0,
                            "p50_s": p50, "p99_s": p99},
             "requests": {"success": s.success, "failed": s.failures},
+            "latency": {"count": answered, "mean_s": (s.success_s + s.failure_s) / answered if answered else 0.0,
+                        "p50_s": latency_p50, "p99_s": latency_p99},
+            "outcomes": dict(s.outcomes),
         }

@@ -48,3 +48,5 @@ def test_the_wheel_installs_only_fusedserve(tmp_path):
             else str(p.relative_to(ROOT)) for p in SOURCES}
     assert want <= set(names), sorted(want - set(names))
     assert "fusedserve/models/repository/digits/model.safetensors" in names
+    for asset in ("index.html", "dashboard.js", "dashboard.css"):  # the live page ships in the package
+        assert f"fusedserve/service/dashboard/{asset}" in names, asset

@@ -109,6 +109,16 @@ def test_infer_classifies_the_held_out_digits_as_recorded(served):
     assert accuracy == pytest.approx(record["held_out_accuracy"], abs=1e-5)
 
 
+def test_the_live_page_ships_in_the_image(served):
+    # A plain `pip install .`: the page's assets must come with the package data, not the checkout.
+    with httpx.Client(base_url=served.url, timeout=30, follow_redirects=True) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and str(page.url).endswith("/dashboard"), (page.status_code, page.url)
+        for asset in ("dashboard.js", "dashboard.css"):
+            assert client.get(f"/dashboard/{asset}").status_code == 200, asset
+        assert "digits" in client.get("/model-stats").json()["models"]
+
+
 def test_server_process_is_not_root(served):
     lines = podman("top", served.name, "user", "args").stdout.splitlines()[1:]
     servers = [line.split(maxsplit=1) for line in lines if "fusedserve serve" in line]
