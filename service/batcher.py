@@ -20,6 +20,7 @@ batch fills (as behind a busy model) even from an empty queue: its requests are 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -30,8 +31,9 @@ import numpy as np
 import torch
 
 from fusedserve.kernels import rules
-from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NonFiniteOutput, NotReady, redact_paths
+from fusedserve.service.errors import BatchFailed, NonFiniteOutput, NotReady, redact_paths
 from fusedserve.service.queue import Pending, RequestQueue
+from fusedserve.service.waiting import wait_answer
 
 
 log = logging.getLogger(__name__)
@@ -170,26 +172,8 @@ class Batcher:
                 and self._where.quick(rules.bucket(x.shape[0], self.max_batch_size)):
             return await self._lead(x, origin)
         item = self._enqueue(x, origin)
-        # The deadline and the abandon signal end the wait by callbacks on the request's future:
-        # no task and no wait set per request.
-        timer = None if timeout_s is None else asyncio.get_running_loop().call_later(
-            timeout_s, self._give_up, item, DeadlineExceeded(
-                f"no answer from model {self.runner.name!r} within {timeout_s * 1000:.0f} ms; "
-                "raise the timeout or retry when the server is less loaded"))
-        gone = None
-        if abandon is not None:
-            def gone(_):
-                self._give_up(item, ClientGone(f"client disconnected before model {self.runner.name!r} answered"))
-            abandon.add_done_callback(gone)
-        try:
-            return await item.future
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if gone is not None:
-                abandon.remove_done_callback(gone)
-            if not item.future.done():  # our caller was cancelled
-                self._give_up(item, None)
+        return await wait_answer(item.future, self.runner.name, timeout_s, abandon,
+                                 functools.partial(self._give_up, item))
 
     async def _lead(self, x: np.ndarray, origin: int) -> np.ndarray:
         """A request that finds the model idle and quick runs its batch in its own task, as the

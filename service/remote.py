@@ -8,6 +8,7 @@ Retry-After) and the probes fail; the connection is retried until the restarted 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Mapping
@@ -16,8 +17,9 @@ import numpy as np
 import orjson
 
 from fusedserve.service import wire
-from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady
+from fusedserve.service.errors import NotReady
 from fusedserve.service.state import ModelInfo, ServiceState, pick_model
+from fusedserve.service.waiting import wait_answer
 
 log = logging.getLogger("fusedserve")
 RECONNECT_S = 0.05  # between attempts to reach the engine process
@@ -157,22 +159,8 @@ class RemoteEngine(asyncio.Protocol):
         ident = next(self._ids) & wire.ID_MASK
         future = self._pending[ident] = loop.create_future()
         self._outbox.send(*wire.infer_frame(ident, self._index[model], rows, timeout_s))
-        timer = loop.call_later(timeout_s + DEADLINE_SLACK_S, self._withdraw, ident, DeadlineExceeded(
-            f"no answer from model {model!r} within {timeout_s * 1000:.0f} ms; "
-            "raise the timeout or retry when the server is less loaded"))
-        gone = None
-        if abandon is not None:
-            def gone(_):
-                self._withdraw(ident, ClientGone(f"client disconnected before model {model!r} answered"))
-            abandon.add_done_callback(gone)
-        try:
-            return await future
-        finally:
-            timer.cancel()
-            if gone is not None:
-                abandon.remove_done_callback(gone)
-            if not future.done():  # our caller was cancelled (a gRPC client left)
-                self._withdraw(ident, None)
+        return await wait_answer(future, model, timeout_s, abandon, functools.partial(self._withdraw, ident),
+                                 slack_s=DEADLINE_SLACK_S)
 
     def _withdraw(self, ident: int, error: Exception | None) -> None:
         """End the wait of request ``ident`` with ``error`` (None: cancel) and tell the engine to drop it."""
