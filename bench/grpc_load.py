@@ -8,11 +8,14 @@ so drifting machine noise hits all alike:
   lean ``grpc.aio`` client: one channel (HTTP/2 connection) per client, the request serialized once,
   answers taken as bytes (no protobuf work per call) and decoded once per run to check them.
   ``grpc_shared``: the same calls multiplexed on one channel, as one shared client object makes them.
+  ``grpc_stream``: ModelStreamInfer, one stream per client on its own channel, one request in
+  flight per client as in every other load (what ``tritonclient.grpc``'s ``async_stream_infer`` sends).
 - ``http_v2``: ``POST /v2/models/digits/infer`` with the binary tensor extension (what
   ``tritonclient.http`` sends), and ``http_infer``: ``POST /infer`` JSON; both from bench/load.py's
   raw-socket keep-alive generator, one connection per client.
-- ``grpc_floor``: the same gRPC client against a bare ``grpc.aio`` server on the same stubs that
-  answers a canned response (no model, no service): what grpc.aio itself costs per call here.
+- ``grpc_floor`` and ``grpc_stream_floor``: the same gRPC clients against a bare ``grpc.aio`` server
+  on the same stubs that answers a canned response (no model, no service): what grpc.aio itself
+  costs per call, or per message on a stream, here.
 
 Each run is bounded by ``--duration`` and each call by a timeout; loopback only. Per run: req/s,
 p50/p99, errors, the server's CPU time per request (all its threads, from /proc), the client's, and
@@ -46,6 +49,7 @@ from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec 
 
 RESULTS = ROOT / "bench" / "results"
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 MAX_CLIENTS = 256  # a bound on the load this script may generate
 
 
@@ -157,6 +161,41 @@ async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s:
     return _summary(latencies, errors, elapsed)
 
 
+async def _stream_client(channel, requests: list[bytes], deadline: float, latencies: list, errors: list) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+
+    call = channel.stream_stream(STREAM_METHOD)()  # no serializers: bytes
+    i = 0
+    try:
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            await call.write(requests[i % len(requests)])
+            answer = pb.ModelStreamInferResponse.FromString(await asyncio.wait_for(call.read(), IO_TIMEOUT_S))
+            (errors.append(answer.error_message) if answer.error_message else latencies.append(time.perf_counter() - t0))
+            i += 1
+        await call.done_writing()
+    finally:
+        call.cancel()
+
+
+async def drive_stream(port: int, requests: list[bytes], clients: int, duration_s: float) -> dict:
+    """Like ``drive``, over one ModelStreamInfer stream per client, each on its own channel."""
+    import grpc
+
+    opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(clients)]
+    try:
+        latencies, errors = [], []
+        t0 = time.monotonic()
+        await asyncio.gather(*(_stream_client(c, requests, t0 + duration_s, latencies, errors) for c in opened))
+        elapsed = time.monotonic() - t0
+    finally:
+        await asyncio.gather(*(c.close() for c in opened))
+    if errors:
+        print(f"grpc_stream: {len(errors)} answers were errors, the first: {errors[0]}", flush=True)
+    return _summary(latencies, errors, elapsed)
+
+
 def canned_server(port: int) -> None:
     """The floor: grpc.aio on the same stubs and event loop kind, answering one canned response."""
     import grpc
@@ -167,10 +206,15 @@ def canned_server(port: int) -> None:
     answer = pb.ModelInferResponse(model_name="digits", model_version="1", outputs=[
         pb.ModelInferResponse.InferOutputTensor(name="output", datatype="FP32", shape=[1, 10])],
         raw_output_contents=[bytes(40)])
+    streamed = pb.ModelStreamInferResponse(infer_response=answer)
 
     class Canned(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def ModelInfer(self, request, context):
             return answer
+
+        async def ModelStreamInfer(self, requests, context):
+            async for _ in requests:
+                yield streamed
 
     async def serve() -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -207,10 +251,12 @@ class CannedProcess(ServerProcess):
 
 def one_run(mode: str, server: ServerProcess, grpc_port: int, loads: dict, clients: int, duration: float) -> dict:
     """One bounded run of ``mode`` against ``server``, with both sides' CPU time per request."""
-    if mode != "grpc_floor":
+    if not mode.endswith("_floor"):
         http_json(server.url + "/kernel-stats/reset", "POST")
     cpu0, client0 = server.cpu_seconds(), os.times()
-    if mode.startswith("grpc"):
+    if mode.startswith("grpc_stream"):
+        r = asyncio.run(drive_stream(grpc_port, loads["grpc"], clients, duration))
+    elif mode.startswith("grpc"):
         channels = 1 if mode == "grpc_shared" else clients
         r = asyncio.run(drive_grpc(grpc_port, loads["grpc"], clients, duration, channels))
     else:
@@ -220,7 +266,7 @@ def one_run(mode: str, server: ServerProcess, grpc_port: int, loads: dict, clien
     r.update(mode=mode, clients=clients,
              server_cpu_ms_per_request=(cpu1 - cpu0) * 1e3 / done if cpu0 is not None else None,
              client_cpu_ms_per_request=(client1.user + client1.system - client0.user - client0.system) * 1e3 / done)
-    if mode != "grpc_floor":
+    if not mode.endswith("_floor"):
         m = http_json(server.url + "/kernel-stats")["models"]["digits"]
         r["mean_batch_rows"] = m["rows"] / m["batches"] if m["batches"] else 0.0
     return r
@@ -240,7 +286,7 @@ def summarize(results: list[dict], target: float) -> list[dict]:
             row[mode] = {k: med(clients, mode, k) for k in ("rps", "p50_ms", "p99_ms", "server_cpu_ms_per_request",
                                                              "client_cpu_ms_per_request", "mean_batch_rows")}
             row[mode]["errors"] = sum(r["errors"] for r in results if (r["clients"], r["mode"]) == (clients, mode))
-        for grpc_mode in ("grpc", "grpc_shared"):
+        for grpc_mode in ("grpc", "grpc_shared", "grpc_stream"):
             for http in ("http_v2", "http_infer"):
                 if grpc_mode in row and http in row:
                     g, h = row[grpc_mode], row[http]
@@ -263,7 +309,8 @@ def _machine() -> dict:
 
 
 def run(args, work: Path) -> dict:
-    modes = ["grpc", "grpc_shared", "http_v2", "http_infer"] + ([] if args.no_floor else ["grpc_floor"])
+    floors = [] if args.no_floor else ["grpc_floor", "grpc_stream_floor"]
+    modes = ["grpc", "grpc_shared", "grpc_stream", "http_v2", "http_infer"] + floors
     grpc_port = free_port()
     from fusedserve.models import DEFAULT_REPOSITORY
 
@@ -279,7 +326,7 @@ def run(args, work: Path) -> dict:
         server.wait_ready(args.ready_timeout)
         if canned is not None:
             canned.wait_ready(30)
-            targets["grpc_floor"] = (canned, canned.port)
+            targets.update({floor: (canned, canned.port) for floor in floors})
         x = rows()
         loads = {"grpc": grpc_requests(x), "http_v2": http_requests(server.port, x, "http_v2"),
                  "http_infer": http_requests(server.port, x, "http_infer")}
@@ -306,7 +353,7 @@ def main(argv=None) -> None:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per run (default 3)")
     parser.add_argument("--reps", type=int, default=4, help="repetitions per client count and load (default 4)")
     parser.add_argument("--target", type=float, default=1.2, help="gRPC req/s over HTTP's asked for (issue 22)")
-    parser.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio server")
+    parser.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio server (both floors)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for warm-up")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/grpc_load_<host>.json)")
     parser.add_argument("--canned-server", type=int, default=None, help=argparse.SUPPRESS)

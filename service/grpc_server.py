@@ -1,9 +1,10 @@
 """KServe v2 gRPC (``inference.GRPCInferenceService``, the stubs ``tritonclient[grpc]`` ships) on a
 ``grpc.aio`` server in the HTTP app's event loop. The servicer sees only an ``Engine``; a client's
 mistake is answered with the status code its ``ServiceError`` names (INVALID_ARGUMENT, NOT_FOUND,
-UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. Methods not listed here
-(streaming, model config, shared-memory control) answer UNIMPLEMENTED; the repository methods are
-``ModelControl``'s, as over HTTP."""
+UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. ModelStreamInfer answers each
+request of a stream with its id (a mistake in ``error_message``, the stream going on). Methods not
+listed here (model config, statistics, shared-memory control) answer UNIMPLEMENTED; the repository
+methods are ``ModelControl``'s, as over HTTP."""
 
 from __future__ import annotations
 
@@ -27,11 +28,17 @@ log = logging.getLogger("fusedserve")
 CODES = {code.name: code for code in grpc.StatusCode}
 
 
+def _service_error(exc: Exception) -> ServiceError:
+    """``exc`` itself if it is a ServiceError; anything else is a bug: logged, answered INTERNAL."""
+    if isinstance(exc, ServiceError):
+        return exc
+    log_unexpected(log, "gRPC call failed", exc)
+    return ServiceError("internal error; see the server log")
+
+
 async def _abort(context, engine: Engine, model: str, exc: Exception):
     """Answer ``exc`` as a status: a ServiceError with its own code, anything else INTERNAL (logged)."""
-    if not isinstance(exc, ServiceError):
-        log_unexpected(log, "gRPC call failed", exc)
-        exc = ServiceError("internal error; see the server log")
+    exc = _service_error(exc)
     engine.record_error(model, exc.outcome)
     await context.abort(CODES[exc.grpc_code], exc.message)
 
@@ -112,20 +119,69 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return self._control
 
     async def ModelInfer(self, request, context):
-        engine, model = self._engine, ""  # the metrics label: a loaded model's name, never the client's
+        model = ""  # the metrics label: a loaded model's name, never the client's
         try:
-            info = engine.model(request.model_name)
+            info = self._engine.model(request.model_name)
             model = info.name
-            tensors.check_version(info, request.model_version)
-            x, raw = grpc_codec.decode(request, info, self._max_rows)
-            out = await engine.infer(model, x, self._timeout(request, context))
+            return await self._infer(request, info, context)
         except asyncio.CancelledError:  # the client cancelled, or its deadline passed, while queued
-            left = context.time_remaining()
-            engine.record_error(model, (DeadlineExceeded if left is not None and left <= 0 else ClientGone).outcome)
+            self._record_cancel(model, context)
             raise
         except Exception as exc:  # noqa: BLE001 - answered as a status, never a dropped call
-            await _abort(context, engine, model, exc)
+            await _abort(context, self._engine, model, exc)
+
+    async def ModelStreamInfer(self, requests, context):
+        """Triton's stream: every request read is answered on the stream, in the order the answers
+        come, with the request's id; a failed request gets ``error_message`` and the stream goes on.
+        Many requests may be in flight on one stream, which costs far less per call than unary."""
+        answers: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read_stream(requests, context, answers))
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            reader.cancel()
+
+    async def _read_stream(self, requests, context, answers: asyncio.Queue) -> None:
+        """Start one answer per request read; put None on ``answers`` once all are in."""
+        pending: set[asyncio.Task] = set()
+        try:
+            async for request in requests:
+                task = asyncio.ensure_future(self._stream_answer(request, context, answers))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            if pending:
+                await asyncio.wait(pending)
+        finally:  # on a cancelled or broken stream, its requests still queued are dropped
+            for task in pending:
+                task.cancel()
+            answers.put_nowait(None)
+
+    async def _stream_answer(self, request, context, answers: asyncio.Queue) -> None:
+        model = ""
+        try:
+            info = self._engine.model(request.model_name)
+            model = info.name
+            answers.put_nowait(pb.ModelStreamInferResponse(infer_response=await self._infer(request, info, context)))
+        except asyncio.CancelledError:
+            self._record_cancel(model, context)
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered on the stream, which goes on
+            exc = _service_error(exc)
+            self._engine.record_error(model, exc.outcome)
+            answers.put_nowait(pb.ModelStreamInferResponse(
+                error_message=exc.message,
+                infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id)))
+
+    async def _infer(self, request, info: ModelInfo, context):
+        tensors.check_version(info, request.model_version)
+        x, raw = grpc_codec.decode(request, info, self._max_rows)
+        out = await self._engine.infer(info.name, x, self._timeout(request, context))
         return grpc_codec.encode(request, info, out, raw)
+
+    def _record_cancel(self, model: str, context) -> None:
+        left = context.time_remaining()
+        self._engine.record_error(model, (DeadlineExceeded if left is not None and left <= 0 else ClientGone).outcome)
 
     def _timeout(self, request, context) -> float:
         """The server's deadline, shortened by the call's gRPC deadline and Triton's timeout parameter."""
@@ -143,6 +199,7 @@ class KeyCheck(grpc.aio.ServerInterceptor):
     repository control is an admin call."""
 
     OPEN = frozenset({"ServerLive", "ServerReady"})
+    STREAMS = frozenset({"ModelStreamInfer"})
 
     def __init__(self, guard: Guard):
         self._guard = guard
@@ -160,6 +217,8 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal[1])
 
+        if method in self.STREAMS:
+            return grpc.stream_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
