@@ -27,11 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 from fusedserve.service import startup, wire  # noqa: E402
 from fusedserve.service.engine import LocalEngine  # noqa: E402
-from fusedserve.service.metrics import Metrics  # noqa: E402
 from fusedserve.service.remote import RemoteEngine  # noqa: E402
 from fusedserve.service.settings import Settings  # noqa: E402
 from fusedserve.service.state import ServiceState  # noqa: E402
-from fusedserve.service.stats import ServiceStats  # noqa: E402
 
 MODEL = "digits"
 
@@ -85,7 +83,7 @@ def _settings() -> Settings:
 
 
 async def local(requests: int, loads: list[int]) -> list[dict]:
-    state = ServiceState(settings=_settings(), stats=ServiceStats(), metrics=Metrics())
+    state = ServiceState.fresh(_settings())
     await startup.warm_up_and_serve(state, await startup.load(state))
     engine = LocalEngine(state)
     try:
@@ -101,7 +99,7 @@ async def remote(requests: int, loads: list[int], log: Path) -> list[dict]:
         proc = subprocess.Popen([sys.executable, "-m", "fusedserve.service.engine_process", "--socket", path,
                                  "--settings", settings.model_dump_json(), "--log-level", "warning"],
                                 stdout=out, stderr=out, cwd=ROOT)
-    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    state = ServiceState.fresh(settings)
     engine = RemoteEngine(path, state)
     await engine.start()
     try:

@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException
 
 from fusedserve.service.engine import LocalEngine
 from fusedserve.service.errors import ServiceError, log_unexpected
-from fusedserve.service.metrics import Metrics
 from fusedserve.service.hotpath import HotPath, route
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
 from fusedserve.service.remote import RemoteEngine
@@ -22,7 +21,6 @@ from fusedserve.service.routers import dashboard, health, infer, metrics, model_
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ServiceState
-from fusedserve.service.stats import ServiceStats
 from fusedserve.service.timing import LayerSinks
 
 log = logging.getLogger("fusedserve")
@@ -133,9 +131,7 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan, **docs,
                      summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
-    service_stats = ServiceStats()  # its outcome counts hear every request /metrics counts
-    state = ServiceState(settings=settings, stats=service_stats,
-                         metrics=Metrics(on_request=service_stats.record_outcome))
+    state = ServiceState.fresh(settings)
     app.state.service = state
     # What the front ends (HTTP inference, gRPC) ask of the models: here, or in the engine process.
     app.state.engine = LocalEngine(state) if engine_process is None else RemoteEngine(engine_process, state)

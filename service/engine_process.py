@@ -20,11 +20,9 @@ from fusedserve.service import startup, wire
 from fusedserve.service.engine import LocalEngine
 from fusedserve.service.errors import ClientGone, NotReady, ServiceError
 from fusedserve.service.logs import configure
-from fusedserve.service.metrics import Metrics
 from fusedserve.service.settings import Settings
 from fusedserve.service.timing import LayerSinks
 from fusedserve.service.state import ServiceState
-from fusedserve.service.stats import ServiceStats
 
 log = logging.getLogger("fusedserve")
 STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to the front ends
@@ -168,7 +166,7 @@ async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
 
 
 async def serve(settings: Settings, path: str, ready_fd: int | None) -> None:
-    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    state = ServiceState.fresh(settings)
     state.metrics.watch_queues(state.batchers)
     server = EngineServer(state)
     loop = asyncio.get_running_loop()

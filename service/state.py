@@ -49,6 +49,13 @@ class ServiceState:
     # Run once, on the event loop, when draining starts: each front end's own drain (gRPC's).
     drain_hooks: list[Callable[[], None]] = field(default_factory=list)
 
+    @classmethod
+    def fresh(cls, settings: Settings) -> ServiceState:
+        """A state whose stats hear every request /metrics counts (outcomes by status for
+        /model-stats, cleared on reset); the one way an app or engine process builds its state."""
+        stats = ServiceStats()
+        return cls(settings=settings, stats=stats, metrics=Metrics(on_request=stats.record_outcome))
+
     def start_draining(self) -> None:
         """Readiness turns false, and every front end starts to drain."""
         self.draining = True

@@ -13,11 +13,9 @@ import torch
 from fusedserve.service.batcher import Batcher
 from fusedserve.service.engine_process import Connection, EngineServer
 from fusedserve.service.errors import BatchFailed, ClientGone
-from fusedserve.service.metrics import Metrics
 from fusedserve.service.remote import RemoteEngine
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo, ServiceState
-from fusedserve.service.stats import ServiceStats
 
 ROW = np.array([[0.5, -1.0, 2.0]], dtype=np.float32)
 
@@ -45,7 +43,7 @@ class GatedRunner:
 async def engines(tmp_path, request):
     runner = GatedRunner(fail=request.param)
     settings = Settings(device="cpu", grpc_port=0, workers=1, gc_freeze=False, max_batch_size=8)
-    state = ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics())
+    state = ServiceState.fresh(settings)
     state.models["m"] = ModelInfo("m", 3, 2, "float32", "torch", "cpu")
     batcher = Batcher(runner, max_batch_size=8, max_delay_ms=1.0, max_queue_rows=64, inline_batch_ms=0.0)
     batcher.start()
@@ -53,7 +51,7 @@ async def engines(tmp_path, request):
     server, origins = EngineServer(state), itertools.count(1)
     path = str(tmp_path / "engine.sock")
     listener = await asyncio.get_running_loop().create_unix_server(lambda: Connection(server, next(origins)), path)
-    remote = RemoteEngine(path, ServiceState(settings=settings, stats=ServiceStats(), metrics=Metrics()))
+    remote = RemoteEngine(path, ServiceState.fresh(settings))
     await remote.start()
     assert remote.ready(), remote.reason()
     try:

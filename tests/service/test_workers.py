@@ -115,6 +115,8 @@ def test_batches_merge_front_ends_and_stats_cover_every_process(server):
     assert tiny["requests"]["success"] == ok, tiny["requests"]
     assert max(int(size) for size in tiny["batch_size_histogram"]) > 1, tiny["batch_size_histogram"]
     assert _requests_total(server.url) == {"ok": ok, "bad_input": 1}
+    page = httpx.get(server.url + "/model-stats", timeout=10).json()["models"]["tiny"]  # the live page's figures
+    assert page["requests"] == ok + 1 and page["errors_by_status"] == {"422": 1}, page
     assert httpx.post(server.url + "/kernel-stats/reset", timeout=10).json() == {"reset": True}
     after = httpx.get(server.url + "/kernel-stats", timeout=10).json()
     assert "tiny" not in after["models"], after["models"]
