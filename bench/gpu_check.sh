@@ -13,23 +13,27 @@
 # e2e: a real server on the GPU answers POST /infer; its answers must match the CPU model.
 # start-up: time-to-ready of `fusedserve serve` with an empty tune cache, Triton's cache empty then
 #   warm, for the shipped repository and digits + a 4x2048 bf16 model at --max-batch-size 256
-#   (bench/startup.py; startup_h200.json). start-up-tuning: then background tuning under traffic
-#   (answers checked, p99 while tuning vs after; startup_h200_tuning.json).
+#   (bench/startup.py; startup_<gpu>.json). start-up-tuning: then background tuning under traffic
+#   (answers checked, p99 while tuning vs after; startup_<gpu>_tuning.json).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
-#   20 s; the live page's JSON saved to dashboard_h200.json (bench/dashboard_shot.py replay draws it).
+#   20 s; the live page's JSON saved to dashboard_<gpu>.json (bench/dashboard_shot.py replay draws it).
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
-#   within KERNELS_BUDGET_S into kernels_h200_$KERNELS_TAG.json.
+#   within KERNELS_BUDGET_S into kernels_<gpu>_$KERNELS_TAG.json.
 # sweep, gluon-sweep, ws-sweep (WS_SHAPES), mlp-sweep (MLP_SWEEP_ONLY), tuner (TUNER_SHAPES),
 #   ncu (NCU_RUNS at NCU_SHAPES), profile, fp32, host: the measurements behind the kernels' choices
 #   (bench/KERNELS.md).
 # ab: this checkout against another at $AB_DIR, bench/kernels.py alternated A B A B ($AB_ROUNDS).
 # pack (last): everything under $OUT into one results.tgz.
-# Logs and results go to $OUT (default bench/results/gpu_check); each stage has its own time limit.
+# Logs and results go to $OUT (default bench/results/gpu_check), named after the GPU (<gpu>: h100,
+# h200...); each stage has its own time limit.
 set -uo pipefail
 out=${OUT:-bench/results/gpu_check}
+# Result files are named after the GPU they ran on (h100, h200...), read from nvidia-smi.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE '[a-z][0-9]{2,4}' | head -n 1 | tr 'A-Z' 'a-z')
+gpu=${gpu:-gpu}
 mkdir -p "$out"
 log="$out/gpu_check.log"
 stages=("$@")
@@ -119,7 +123,7 @@ dashboard() {  # a real server on the GPU under load, its page's JSON captured
     local port=18002 log=/tmp/fusedserve-dashboard.log
     if serve_bg "$port" "$log" --device "${DASHBOARD_DEVICE:-cuda}" --grpc-port 0 \
             ${DASHBOARD_REPOSITORY:+--model-repository "$DASHBOARD_REPOSITORY"}; then
-        python3 bench/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out/dashboard_h200.json"
+        python3 bench/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out/dashboard_$gpu.json"
     else
         echo "dashboard: server never became ready"
     fi
@@ -182,43 +186,43 @@ for s in "${stages[@]}"; do
             -p no:cacheprovider tests/kernels/test_gluon_ws.py ;;
         ws-sweep) stage ws-sweep 300 python3 bench/small_m_sweep.py --kernel ws --budget-s 240 \
             --shapes "${WS_SHAPES:-256x11008x4096,512x4096x4096,256x8192x8192,2048x4096x4096,1024x11008x4096}" \
-            --out "$out/ws_sweep_h200.jsonl" ;;
+            --out "$out/ws_sweep_$gpu.jsonl" ;;
         tests-tma) stage tests-tma 200 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header -p no:cacheprovider \
             tests/kernels/test_fused_linear_gpu.py tests/kernels/test_fused_linear.py -k "tma" ;;
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
-            --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" --tag h200_small --out "$out" ;;
+            --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" --tag ${gpu}_small --out "$out" ;;
         e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
-        model) stage model 420 python3 bench/model.py --quick --out "$out" ;;
-        start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --out "$out" ;;
+        model) stage model 420 python3 bench/model.py --quick --tag "$gpu" --out "$out" ;;
+        start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --tag "$gpu" --out "$out" ;;
         start-up-tuning) stage start-up-tuning 580 python3 bench/startup.py --tuning --ready-timeout-s 120 \
-            --tuning-timeout-s 360 --out "$out" ;;
+            --tuning-timeout-s 360 --tag "$gpu" --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
-            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" --out "$out" ;;
+            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" --tag "$gpu" --out "$out" ;;
         model-contract) stage model-contract 590 python3 bench/model.py --contract --budget-s "${CONTRACT_BUDGET_S:-420}" \
-            ${CONTRACT_QUICK:+--quick} --out "$out" ;;
+            ${CONTRACT_QUICK:+--quick} --tag "$gpu" --out "$out" ;;
         dashboard) echo "=== dashboard ($(date -u +%H:%M:%S))" | tee -a "$log"; dashboard 2>&1 | tee -a "$log" ;;
-        kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag h200_quick --out "$out" ;;
+        kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag ${gpu}_quick --out "$out" ;;
         kernels-at) stage kernels-at $((${KERNELS_BUDGET_S:-270} + 60)) python3 bench/kernels.py --quick --no-compile \
             --budget-s "${KERNELS_BUDGET_S:-270}" \
             --ms "${KERNELS_MS:?}" --nk "${KERNELS_NK:-4096x4096}" --dtypes "${KERNELS_DTYPES:-bfloat16,float16}" \
-            --tag "h200_${KERNELS_TAG:-at}" --out "$out" ;;
+            --tag "${gpu}_${KERNELS_TAG:-at}" --out "$out" ;;
         kernels-full) stage kernels-full 570 python3 bench/kernels.py --budget-s 400 --out "$out" \
-            ${KERNELS_NK:+--nk "$KERNELS_NK" --tag "h200_${KERNELS_NK//,/_}"} ;;
+            ${KERNELS_NK:+--nk "$KERNELS_NK" --tag "${gpu}_${KERNELS_NK//,/_}"} ;;
         # ~4 min with the tune cache warm (a cold one adds ~2-3 min of start-up); LitServe and py-spy
         # where their wheels were brought (../shared/gpu/wheels.sh litserve py-spy matplotlib).
-        load) stage load 420 python3 bench/load.py --device cuda --quick --out "$out/load_h200.json" ;;
+        load) stage load 420 python3 bench/load.py --device cuda --quick --out "$out/load_$gpu.json" ;;
         profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
             python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;
-        mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_h200.jsonl" \
+        mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_$gpu.jsonl" \
             ${MLP_SWEEP_ONLY:+--only $MLP_SWEEP_ONLY} ;;
         gluon-sweep) stage gluon-sweep 300 python3 bench/small_m_sweep.py --kernel gluon --budget-s 240 \
-            --out "$out/gluon_small_m_sweep_h200.jsonl" ;;
-        host) stage host 240 python3 bench/host_overhead.py --out "$out/host_overhead_h200.json" ;;
-        fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_h200.json' &&
-            FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag h200_tf32x3 --out '$out'" ;;
-        sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_h200.jsonl" ;;
+            --out "$out/gluon_small_m_sweep_$gpu.jsonl" ;;
+        host) stage host 240 python3 bench/host_overhead.py --out "$out/host_overhead_$gpu.json" ;;
+        fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_$gpu.json' &&
+            FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag ${gpu}_tf32x3 --out '$out'" ;;
+        sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_$gpu.jsonl" ;;
         tuner) stage tuner 300 python3 bench/tuner_check.py --budget-s 220 --dtype "${TUNER_DTYPE:-bfloat16}" \
-            --shapes "${TUNER_SHAPES:-64x4096x4096,33x11008x4096,64x11008x4096,32x4096x4096}" --out "$out/tuner_check_h200.jsonl" ;;
+            --shapes "${TUNER_SHAPES:-64x4096x4096,33x11008x4096,64x11008x4096,32x4096x4096}" --out "$out/tuner_check_$gpu.jsonl" ;;
         ab) ab ;;
         ncu) ncu_stage ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \

@@ -74,7 +74,7 @@ class Server:
         if max_batch:
             argv += ["--max-batch-size", str(max_batch)]
         self.port, self.log_path = port, log_path
-        self.started = time.perf_counter()
+        self.started, self.started_unix = time.perf_counter(), time.time()
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=open(log_path, "w"),
                                      stderr=subprocess.STDOUT)
 
@@ -102,14 +102,34 @@ class Server:
         return json.loads(self.get("/kernel-stats")[1])["served"]
 
     def stop(self) -> list[str]:
-        """Stop it (SIGTERM, then SIGKILL after 30 s); the last lines of its log."""
+        """Stop it (SIGTERM, then SIGKILL after 30 s); its log's lines (the readiness polls' access
+        lines fill its tail, so readers filter: ``startup_lines``, ``phases``)."""
         self.proc.terminate()
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        return self.log_path.read_text(errors="replace").splitlines()[-40:]
+        return self.log_path.read_text(errors="replace").splitlines()
+
+
+# Seconds from the process start to the first log line holding each mark, from the log's timestamps.
+PHASES = {"imported": "Started server process", "models_loaded": "loaded model", "warm": "start-up '",
+          "ready": "ready after"}
+
+
+def phases(lines: list[str], started_unix: float) -> dict[str, float]:
+    """Where the time to ready went: when the server had imported its code, loaded, warmed, was ready."""
+    found = {}
+    for line in lines:
+        for phase, mark in PHASES.items():
+            if mark in line:
+                try:
+                    stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                except ValueError:
+                    continue
+                found[phase] = round(stamp - started_unix, 2)  # the last such line: the last model
+    return found
 
 
 def startup_lines(lines: list[str]) -> list[str]:
@@ -136,11 +156,13 @@ def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args, pa
     row = dict(scenario=name, triton_cache=triton_state, tune_cache="empty", max_batch_size=max_batch,
                parallel_compile=parallel,
                ready_s=None if ready_s is None else round(ready_s, 2), target_s=target,
-               met=ready_s is not None and ready_s <= target, served=served, log=startup_lines(lines))
+               met=ready_s is not None and ready_s <= target, served=served,
+               phases_s=phases(lines, server.started_unix), log=startup_lines(lines))
     if ready_s is None:
-        row["log_tail"] = lines
+        row["log_tail"] = lines[-40:]
     log(f"{name}: Triton cache {triton_state}, tune cache empty, parallel compile {'on' if parallel else 'off'}: ready "
         f"{'never' if ready_s is None else f'in {ready_s:.1f} s'} (target {target:.0f} s)")
+    log(f"  seconds from start: {row['phases_s']}")
     for model, info in served.items():
         log(f"  {model}: {info['startup_s']}")
     return row
@@ -187,7 +209,7 @@ def tuning_scenario(repo, triton_dir: Path, work: Path, args) -> dict:
     ready_s = server.wait_ready(args.ready_timeout_s)
     row = dict(scenario="background_tuning", ready_s=ready_s and round(ready_s, 2), max_batch_size=BIG_MAX_BATCH)
     if ready_s is None:
-        row["log_tail"] = server.stop()
+        row["log_tail"] = server.stop()[-40:]
         return row
     reference = load_model(repo / BIG[0], device="cpu", backend="torch")
     samples, wrong, stop = [], [], threading.Event()
