@@ -1,6 +1,6 @@
 """``fusedserve serve --workers N`` (N > 1): a small supervisor process. It binds the HTTP port (one
 SO_REUSEPORT socket per front end), spawns one engine process (``service.engine_process``: models,
-batchers, CUDA graphs, stats) and N front ends (``service.frontend``: uvicorn on its inherited socket,
+batchers, CUDA graphs, stats) and, once the engine has loaded its models, N front ends (``service.frontend``: uvicorn on its inherited socket,
 a ``RemoteEngine`` each, every one also serving gRPC on one port shared with SO_REUSEPORT), and
 restarts any that dies. Children are fresh interpreters (spawned, never forked:
 the engine may touch CUDA), in their own session so a terminal's Ctrl-C reaches only the supervisor,
@@ -123,8 +123,6 @@ class Supervisor:
                  socks[0].getsockname()[1])
         try:
             engine, ready_pipe = self._start_engine(path)
-            for child in self._front_ends:
-                child.start()
             code = self._watch(engine, ready_pipe)
             for sock in socks:  # this process's copies: else the port keeps accepting once the front ends close theirs
                 sock.close()
@@ -136,7 +134,10 @@ class Supervisor:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _watch(self, engine: Child, ready_pipe: int) -> int:
-        """Restart children until a signal comes; returns the exit code (1: the engine never loaded)."""
+        """Start the front ends once the engine has loaded its models (started beside it, their
+        imports delayed its start by 5-7 s on a 16-core GPU host; connections wait in the sockets'
+        backlog meanwhile), then restart children until a signal comes. Returns the exit code (1:
+        the engine never loaded)."""
         loaded = False
         while self._stop_signal is None:
             if not loaded:
@@ -144,7 +145,10 @@ class Supervisor:
                     loaded = bool(os.read(ready_pipe, 1))
                 except BlockingIOError:
                     pass
-                if engine.proc.poll() is not None and not loaded:
+                if loaded:
+                    for child in self._front_ends:
+                        child.start()
+                elif engine.proc.poll() is not None:
                     log.error("the engine process exited (%s) before its models loaded: see its log above",
                               engine.proc.returncode)
                     self._stop_signal = signal.SIGINT  # nothing was served: no drain
@@ -155,7 +159,7 @@ class Supervisor:
         return 0
 
     def _restart_if_dead(self, child: Child) -> None:
-        code = child.proc.poll()
+        code = None if child.proc is None else child.proc.poll()  # None: running, or not started yet
         if code is None:
             return
         now = time.monotonic()
@@ -180,6 +184,8 @@ class Supervisor:
 
 
 def _wait(child: Child, timeout_s: float) -> None:
+    if child.proc is None:  # never started: the engine stopped before loading
+        return
     try:
         child.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

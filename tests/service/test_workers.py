@@ -101,6 +101,8 @@ def _requests_total(url: str) -> dict[str, float]:
 
 def test_batches_merge_front_ends_and_stats_cover_every_process(server):
     assert len(children(server.proc.pid)["frontend"]) == 2
+    log = server.log.read_text()  # front ends start once the engine loaded (they would slow its start)
+    assert log.index("started front end 0") > log.rindex("loaded model"), log
     record: list = []
     asyncio.run(load(server.port, 2.0, record))
     ok = sum(status == 200 for _, _, status, _ in record)
