@@ -16,7 +16,6 @@ from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.hotpath import HotPath, route
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
 from fusedserve.service.remote import RemoteEngine
-from fusedserve.service.repository import ModelControl
 from fusedserve.service.routers import dashboard, health, infer, metrics, model_stats, repository, stats, v2
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
@@ -139,7 +138,11 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
     app.state.timing_sink = LayerSinks((state.stats, state.metrics))
     # The v2 repository routes; a front end of --workers N has no models to control.
-    app.state.control = ModelControl(state, app.state.timing_sink) if engine_process is None else None
+    app.state.control = None
+    if engine_process is None:
+        from fusedserve.service.repository import ModelControl  # torch: never in a front-end process
+
+        app.state.control = ModelControl(state, app.state.timing_sink)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape
     state.metrics.watch_models(state.model_readiness)
     ids, guard = RequestIds(), Guard(settings)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from fusedserve.models.timing import LayerTiming, TimingSink
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a front-end process of --workers N never imports torch (models/)
+    from fusedserve.models.timing import LayerTiming, TimingSink
 
 
 class LayerSinks:

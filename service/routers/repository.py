@@ -4,11 +4,15 @@ guards them (service.security)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import APIRouter, Request
 
 from fusedserve.service.errors import BadInput, NotServed
 from fusedserve.service.inputs import parse_json, read_body
-from fusedserve.service.repository import ModelControl
+
+if TYPE_CHECKING:  # the control, and torch with it, lives only where the models do
+    from fusedserve.service.repository import ModelControl
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"])
 
