@@ -1,5 +1,5 @@
 """Fixtures for the service tests: a tiny model repository written with models.save_model, and an
-in-memory app with its lifespan running."""
+in-memory app with its lifespan running, and the app with gRPC on a free port (`_serve`, `served`)."""
 
 import asyncio
 import os
@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import httpx
 import pytest
 import torch
+import tritonclient.grpc.aio as triton_grpc
+from tritonclient.grpc import service_pb2_grpc
 
 from fusedserve import models
 from fusedserve.service.app import create_app
@@ -155,3 +158,34 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+async def _serve(settings: Settings, wait_ready: bool = True):
+    """The app's lifespan (gRPC on a free port) and a stub and a tritonclient on a channel to it."""
+    port = free_port()
+    app = create_app(settings.model_copy(update={"grpc_port": port}))
+    lifespan = app.router.lifespan_context(app)
+    await lifespan.__aenter__()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    served = SimpleNamespace(app=app, port=port, state=app.state.service, lifespan=lifespan, channel=channel,
+                             stub=service_pb2_grpc.GRPCInferenceServiceStub(channel),
+                             triton=triton_grpc.InferenceServerClient(f"127.0.0.1:{port}"))
+    while wait_ready and not served.state.ready:
+        assert served.state.startup_error is None, served.state.startup_error
+        await asyncio.sleep(0.01)
+    return served
+
+
+async def _close(served) -> None:
+    await served.triton.close()
+    await served.channel.close()
+    await served.lifespan.__aexit__(None, None, None)
+
+
+@pytest.fixture
+async def served(settings):
+    s = await _serve(settings)
+    try:
+        yield s
+    finally:
+        await _close(s)

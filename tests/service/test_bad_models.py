@@ -11,8 +11,7 @@ from safetensors.torch import load_file, save_file
 from fusedserve.service.app import create_app
 from fusedserve.service.cli import parser, settings_from_args
 
-from .conftest import wait_ready
-from .test_grpc import _close, _serve
+from .conftest import _close, _serve, wait_ready
 
 
 def _poison(repository, name="wide", tensor="layers.0.weight"):

@@ -4,7 +4,6 @@ every kind of client mistake, each answered with its status code and a message).
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -12,49 +11,17 @@ import pytest
 import tritonclient.grpc.aio as triton_grpc
 from prometheus_client import generate_latest
 from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from fusedserve.service.app import create_app
 from fusedserve.service.settings import Settings
 
-from .conftest import IN, OUT, free_port, reference
+from .conftest import IN, OUT, _close, _serve, reference
 
 ROWS = np.array([[0.5, -1.0, 2.0], [3.0, 0.0, -7.0], [1.0, 1.0, 1.0]], dtype=np.float32)
 # Same float32 math on the same CPU, but batched rows may take another BLAS path: allow rounding.
 RTOL, ATOL = 1e-5, 1e-6
 Tensor = pb.ModelInferRequest.InferInputTensor
-
-
-async def _serve(settings: Settings, wait_ready: bool = True):
-    """The app's lifespan (gRPC on a free port) and a stub and a tritonclient on a channel to it."""
-    port = free_port()
-    app = create_app(settings.model_copy(update={"grpc_port": port}))
-    lifespan = app.router.lifespan_context(app)
-    await lifespan.__aenter__()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    served = SimpleNamespace(app=app, port=port, state=app.state.service, lifespan=lifespan, channel=channel,
-                             stub=service_pb2_grpc.GRPCInferenceServiceStub(channel),
-                             triton=triton_grpc.InferenceServerClient(f"127.0.0.1:{port}"))
-    while wait_ready and not served.state.ready:
-        assert served.state.startup_error is None, served.state.startup_error
-        await asyncio.sleep(0.01)
-    return served
-
-
-async def _close(served) -> None:
-    await served.triton.close()
-    await served.channel.close()
-    await served.lifespan.__aexit__(None, None, None)
-
-
-@pytest.fixture
-async def served(settings):
-    s = await _serve(settings)
-    try:
-        yield s
-    finally:
-        await _close(s)
 
 
 def raw_request(x: np.ndarray, model: str = "tiny", datatype: str = "FP32", **fields) -> pb.ModelInferRequest:

@@ -10,17 +10,9 @@ import pytest
 import tritonclient.grpc.aio as triton_grpc
 from prometheus_client import generate_latest
 
-from .conftest import IN, OUT, reference
-from .test_grpc import ATOL, ROWS, RTOL, _close, _hold_next_batch, _serve, raw_request
+from .conftest import IN, OUT, _close, _serve, reference
+from .test_grpc import ATOL, ROWS, RTOL, _hold_next_batch, raw_request
 
-
-@pytest.fixture
-async def served(settings):
-    s = await _serve(settings)
-    try:
-        yield s
-    finally:
-        await _close(s)
 
 
 def _inputs(x: np.ndarray) -> list:
@@ -59,13 +51,20 @@ async def test_every_request_is_answered_with_its_id_and_mistakes_do_not_end_the
         assert line in text, f"{line!r} not in /metrics"
 
 
-async def test_requests_in_flight_on_one_stream_share_batches(served):
-    gate = await _hold_next_batch(served)  # the runner holds one batch: the stream's requests queue up
+async def _queued_on_a_stream(served, count: int, prefix: str):
+    """A stream with ``count`` one-row requests (ids prefix0...) queued behind a batch the runner
+    holds; returns the call and the gate that lets the runner go."""
+    gate = await _hold_next_batch(served)
     call = served.stub.ModelStreamInfer()
-    for i in range(6):
-        await call.write(raw_request(ROWS[:1], id=f"q{i}"))
-    while served.state.batchers["tiny"].queued_rows < 6:
+    for i in range(count):
+        await call.write(raw_request(ROWS[:1], id=f"{prefix}{i}"))
+    while served.state.batchers["tiny"].queued_rows < count:
         await asyncio.sleep(0.005)
+    return call, gate
+
+
+async def test_requests_in_flight_on_one_stream_share_batches(served):
+    call, gate = await _queued_on_a_stream(served, 6, "q")
     gate.set()
     ids = set()
     for _ in range(6):
@@ -81,12 +80,7 @@ async def test_requests_in_flight_on_one_stream_share_batches(served):
 
 
 async def test_a_cancelled_stream_drops_its_queued_requests(served):
-    gate = await _hold_next_batch(served)
-    call = served.stub.ModelStreamInfer()
-    for i in range(3):
-        await call.write(raw_request(ROWS[:1], id=f"c{i}"))
-    while served.state.batchers["tiny"].queued_rows < 3:
-        await asyncio.sleep(0.005)
+    call, gate = await _queued_on_a_stream(served, 3, "c")
     call.cancel()
     for _ in range(200):
         if served.state.batchers["tiny"].queued_rows == 0:
