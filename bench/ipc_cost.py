@@ -30,6 +30,7 @@ from fusedserve.service.engine import LocalEngine  # noqa: E402
 from fusedserve.service.remote import RemoteEngine  # noqa: E402
 from fusedserve.service.settings import Settings  # noqa: E402
 from fusedserve.service.state import ServiceState  # noqa: E402
+from fusedserve.service.timing import LayerSinks  # noqa: E402
 
 MODEL = "digits"
 
@@ -79,12 +80,12 @@ async def _measure(engine, requests: int, in_flight: int, other_pid: int | None)
 
 
 def _settings() -> Settings:
-    return Settings(device="cpu", grpc_port=0, workers=1, gc_freeze=False, torch_threads=1)
+    return Settings(device="cpu", grpc_port=0, workers=1, torch_threads=1)
 
 
 async def local(requests: int, loads: list[int]) -> list[dict]:
     state = ServiceState.fresh(_settings())
-    await startup.warm_up_and_serve(state, await startup.load(state))
+    await startup.warm_up_and_serve(state, await startup.load(state, LayerSinks((state.stats, state.metrics))))
     engine = LocalEngine(state)
     try:
         return [await _measure(engine, requests, n, None) for n in loads]
