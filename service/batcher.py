@@ -119,6 +119,7 @@ class Batcher:
         # requests were sent while nothing was read), even from an empty queue.
         self._loaded = False
         self._task: asyncio.Task | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # set by start()
         # Batches holding requests of several origins (front-end processes): proof that they merge.
         self.mixed_batches = 0
         # One thread, and the loop awaits each batch: the runner computes one batch at a time.
@@ -140,7 +141,9 @@ class Batcher:
     def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("batcher already started")
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.runner.name}")
+        # Kept: on Python 3.11 each asyncio.get_running_loop() costs a getpid() system call.
+        self._event_loop = asyncio.get_running_loop()
+        self._task = self._event_loop.create_task(self._loop(), name=f"batcher-{self.runner.name}")
         self._task.add_done_callback(self._loop_ended)
 
     def _loop_ended(self, task: asyncio.Task) -> None:
@@ -171,16 +174,16 @@ class Batcher:
         if self._state is _IDLE and not self._queue and not self._loaded and not self._stopping \
                 and self._where.quick(rules.bucket(x.shape[0], self.max_batch_size)):
             return await self._lead(x, origin)
-        item = self._enqueue(x, origin)
+        item = self.put(x, origin)
         return await wait_answer(item.future, self.runner.name, timeout_s, abandon,
-                                 functools.partial(self._give_up, item))
+                                 functools.partial(self.give_up, item))
 
     async def _lead(self, x: np.ndarray, origin: int) -> np.ndarray:
         """A request that finds the model idle and quick runs its batch in its own task, as the
         batch loop would at once, without waking the loop (a task switch and an event per batch).
         Requests read in the same turn of the event loop join it; later arrivals queue and wake
         the loop once this batch is done."""
-        item = self._queue.put(x, asyncio.get_running_loop().create_future(), origin)
+        item = self._queue.put(x, self._event_loop.create_future(), origin)
         self._state = _BUSY
         try:
             await asyncio.sleep(0)  # let the requests read in this turn reach the queue
@@ -191,7 +194,7 @@ class Batcher:
                 self._wake.set()
         return item.future.result()
 
-    def _give_up(self, item: Pending, error: Exception | None) -> None:
+    def give_up(self, item: Pending, error: Exception | None) -> None:
         """End the wait of ``item`` with ``error`` (None: cancel it); a request not yet in a batch
         leaves the queue at once and is never computed."""
         if item.future.done():
@@ -202,10 +205,14 @@ class Batcher:
         else:
             item.future.set_exception(error)
 
-    def _enqueue(self, x: np.ndarray, origin: int) -> Pending:
+    def put(self, x: np.ndarray, origin: int = 0) -> Pending:
+        """Queue ``x`` without waiting for it, for a caller that answers by callback (the engine
+        process): ``item.future`` gets the output or the error; ``give_up`` withdraws it."""
         if self._stopping:
             raise NotReady(f"model {self.runner.name!r} is shutting down; retry on another replica")
-        item = self._queue.put(x, asyncio.get_running_loop().create_future(), origin)
+        if self._event_loop is None:
+            raise NotReady(f"model {self.runner.name!r} is not serving yet")
+        item = self._queue.put(x, self._event_loop.create_future(), origin)
         if self._state is _IDLE or (self._state is _FILLING and self._queue.rows >= self.max_batch_size):
             self._wake.set()
         return item
@@ -231,12 +238,12 @@ class Batcher:
                 await self._execute(batch)
 
     async def _sleep(self, state: str, timeout_s: float | None) -> None:
-        """Wait for ``_wake`` (set by ``_enqueue`` as ``state`` asks, or by stop), at most ``timeout_s``."""
+        """Wait for ``_wake`` (set by ``put`` as ``state`` asks, or by stop), at most ``timeout_s``."""
         if timeout_s is not None and timeout_s <= 0:
             return
         self._wake.clear()
         self._state = state
-        timer = None if timeout_s is None else asyncio.get_running_loop().call_later(timeout_s, self._wake.set)
+        timer = None if timeout_s is None else self._event_loop.call_later(timeout_s, self._wake.set)
         try:
             await self._wake.wait()
         finally:
@@ -259,7 +266,7 @@ class Batcher:
             if inline:
                 out, compute_s = self._run(x)
             else:
-                out, compute_s = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
+                out, compute_s = await self._event_loop.run_in_executor(self._executor, self._run, x)
         except Exception as exc:  # noqa: BLE001 - every request in the batch gets it; the loop keeps serving
             log.error("model %r failed on a batch of %d rows: %s: %s", self.runner.name, rows, type(exc).__name__, exc)
             error = BatchFailed(f"model {self.runner.name!r} failed on a batch of {rows} rows: "

@@ -10,8 +10,9 @@ stats across processes (``--workers N``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -20,6 +21,7 @@ from prometheus_client import generate_latest
 
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.state import ModelInfo, ServiceState
+from fusedserve.service.waiting import deadline
 
 
 class Engine(Protocol):
@@ -96,6 +98,34 @@ class LocalEngine:
         state.stats.record_request(model, ok=True, seconds=time.perf_counter() - t0)
         state.metrics.record_request(model, "ok")
         return out
+
+    def submit(self, model: str, rows: np.ndarray, timeout_s: float, answer: Callable, origin: int = 0) -> Callable:
+        """``infer`` with no task or coroutine per request, for the engine process: queues ``rows`` and
+        calls ``answer(out, None)`` or ``answer(None, error)`` once, unless the request is withdrawn
+        first by calling what this returns. Raises QueueFull or NotReady at once."""
+        state = self._state
+        batcher = state.batchers[model]
+        t0 = time.perf_counter()
+        try:
+            item = batcher.put(rows, origin)
+        except ServiceError:
+            state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
+            raise
+        give_up = functools.partial(batcher.give_up, item)
+        timer = deadline(item.future, model, timeout_s, give_up)
+
+        def done(future: asyncio.Future) -> None:
+            timer.cancel()
+            ok = not future.cancelled() and future.exception() is None
+            state.stats.record_request(model, ok=ok, seconds=time.perf_counter() - t0)
+            if ok:
+                state.metrics.record_request(model, "ok")
+                answer(future.result(), None)
+            elif not future.cancelled():  # cancelled: withdrawn, the front end already answered its client
+                answer(None, future.exception())
+
+        item.future.add_done_callback(done)
+        return functools.partial(give_up, None)
 
     def record_error(self, model: str, outcome: str) -> None:
         self._state.metrics.record_request(model, outcome)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 from fusedserve.service import startup, wire
 from fusedserve.service.engine import LocalEngine
@@ -29,13 +31,13 @@ STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to
 
 
 class Connection(asyncio.Protocol):
-    """One front end: its requests in flight (each with the future that withdraws it) and its outbox."""
+    """One front end: its requests in flight (each with what withdraws it) and its outbox."""
 
     def __init__(self, server: EngineServer, origin: int):
         self.server = server
         self.origin = origin  # tells this front end's requests apart in a batch
         self.frames = wire.Frames()
-        self.withdraw: dict[int, asyncio.Future] = {}
+        self.withdraw: dict[int, Callable[[], None]] = {}  # request id -> what takes it back
         self.outbox: wire.Outbox | None = None
 
     def connection_made(self, transport) -> None:
@@ -45,42 +47,40 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
-        for future in self.withdraw.values():  # nobody is left to answer: never compute them
-            if not future.done():
-                future.set_result(None)
+        withdraw, self.withdraw = self.withdraw, {}
+        for give_up in withdraw.values():  # nobody is left to answer: never compute them
+            give_up()
 
     def data_received(self, data: bytes) -> None:
         for kind, ident, payload in self.frames.feed(data):
             if kind == wire.INFER:
                 self._infer(ident, payload)
             elif kind == wire.CANCEL:
-                future = self.withdraw.get(ident)
-                if future is not None and not future.done():
-                    future.set_result(None)
+                withdraw = self.withdraw.pop(ident, None)
+                if withdraw is not None:
+                    withdraw()
             elif kind == wire.CONTROL:
                 asyncio.ensure_future(self._control(ident, payload))
 
     def _infer(self, ident: int, payload: bytearray) -> None:
-        loop = asyncio.get_running_loop()
-        withdraw = self.withdraw[ident] = loop.create_future()
-        loop.create_task(self._run(ident, payload, withdraw))
-
-    async def _run(self, ident: int, payload: bytearray, withdraw: asyncio.Future) -> None:
         try:
             model, x, timeout_s = wire.read_infer(payload)
-            out = await self.server.infer(model, x, timeout_s, withdraw, self.origin)
-        except ClientGone:
-            return  # the front end already answered its client
-        except ServiceError as exc:
-            self.outbox.send(wire.json_frame(wire.ERROR, ident, wire.error_payload(exc)))
-        except Exception as exc:  # noqa: BLE001 - a bug: answered, logged, never a hung request
-            log.exception("engine request failed")
-            self.outbox.send(wire.json_frame(wire.ERROR, ident, wire.error_payload(
-                ServiceError(f"internal error in the engine: {type(exc).__name__}: {exc}"))))
-        else:
+            self.withdraw[ident] = self.server.submit(model, x, timeout_s, functools.partial(self._answer, ident),
+                                                      self.origin)
+        except Exception as exc:  # noqa: BLE001 - refused at once (queue full, not serving) or a bug
+            self._answer(ident, None, exc)
+
+    def _answer(self, ident: int, out, error: BaseException | None) -> None:
+        self.withdraw.pop(ident, None)
+        if error is None:
             self.outbox.send(*wire.result_frame(ident, out))
-        finally:
-            self.withdraw.pop(ident, None)
+            return
+        if isinstance(error, ClientGone):
+            return  # the front end already answered its client
+        if not isinstance(error, ServiceError):  # a bug: answered, logged, never a hung request
+            log.error("engine request failed", exc_info=error)
+            error = ServiceError(f"internal error in the engine: {type(error).__name__}: {error}")
+        self.outbox.send(wire.json_frame(wire.ERROR, ident, wire.error_payload(error)))
 
     async def _control(self, ident: int, payload: bytearray) -> None:
         try:
@@ -100,6 +100,7 @@ class EngineServer:
         self.engine = LocalEngine(state)
         self.connections: set[Connection] = set()
         self._names: list[str] = []
+        self._rows_per_request = state.settings.rows_per_request
         self._last_status: dict | None = None
 
     def status(self) -> dict:
@@ -122,15 +123,15 @@ class EngineServer:
                     conn.outbox.send(frame)
             await asyncio.sleep(STATUS_POLL_S)
 
-    async def infer(self, model: int, x, timeout_s: float, withdraw: asyncio.Future, origin: int):
+    def submit(self, model: int, x, timeout_s: float, answer: Callable, origin: int) -> Callable[[], None]:
         if not self.state.serving or self.state.draining:
             raise NotReady("the engine is not serving (warming up or stopping); retry shortly",
                            headers={"Retry-After": "1"})
         name = self._names[model]
         info = self.state.models[name]
-        if x.shape[1] != info.in_features or x.shape[0] > self.state.settings.rows_per_request:
+        if x.shape[1] != info.in_features or x.shape[0] > self._rows_per_request:
             raise ServiceError(f"rows {x.shape} do not fit model {name!r}")  # the front end checks: a bug
-        return await self.engine.infer(name, x, timeout_s, abandon=withdraw, origin=origin)
+        return self.engine.submit(name, x, timeout_s, answer, origin)
 
     async def control(self, message: dict):
         op, engine = message.get("op"), self.engine

@@ -5,7 +5,7 @@ payload. Rows and outputs travel as raw float32 bytes after a small fixed header
 control messages (stats, metrics, status) are JSON, off the hot path. Writes made in one turn of the
 event loop leave in one system call (``Outbox``).
 
-Front end -> engine: INFER (model index u16, rows u32, cols u32, timeout s f32, rows*cols float32),
+Front end -> engine: INFER (model index u16, rows u32, cols u32, timeout s f32, 2 pad bytes, rows*cols float32),
 CANCEL (the request's client left or its deadline passed), CONTROL (JSON ``{"op": ...}``).
 Engine -> front end: RESULT (rows u32, cols u32, float32 data), ERROR (JSON: the ServiceError's
 type, message and headers), REPLY (JSON answer to a CONTROL), STATUS (JSON: models, readiness)."""
@@ -21,10 +21,11 @@ import orjson
 from fusedserve.service import errors
 
 HEADER = struct.Struct("<IBI")
-INFER_HEAD = struct.Struct("<HIIf")
+INFER_HEAD = struct.Struct("<HIIfxx")  # padded to 16 bytes: the rows after it stay 4-byte aligned
 RESULT_HEAD = struct.Struct("<II")
 INFER, CANCEL, CONTROL, RESULT, ERROR, REPLY, STATUS = range(1, 8)
 ID_MASK = 0xFFFFFFFF
+_F32 = np.dtype(np.float32)
 
 _ERRORS = {cls.__name__: cls for cls in (errors.ServiceError, errors.BadInput, errors.PayloadTooLarge,
                                          errors.UnknownModel, errors.NotReady, errors.QueueFull,
@@ -87,10 +88,9 @@ def infer_frame(ident: int, model: int, rows: np.ndarray, timeout_s: float) -> t
 def read_infer(payload: bytearray) -> tuple[int, np.ndarray, float]:
     """``(model index, rows [n, cols] float32, timeout s)`` of an INFER payload."""
     model, n, cols, timeout_s = INFER_HEAD.unpack_from(payload)
-    x = np.frombuffer(payload, dtype=np.float32, offset=INFER_HEAD.size)
-    if x.size != n * cols:
-        raise errors.BadInput(f"frame carries {x.size} values for {n} rows of {cols}")
-    return model, x.reshape(n, cols), timeout_s
+    if len(payload) != INFER_HEAD.size + 4 * n * cols:
+        raise errors.BadInput(f"frame carries {len(payload) - INFER_HEAD.size} bytes for {n} rows of {cols} float32")
+    return model, np.ndarray((n, cols), _F32, payload, INFER_HEAD.size), timeout_s
 
 
 def result_frame(ident: int, out: np.ndarray) -> tuple[bytes, memoryview]:
@@ -101,7 +101,7 @@ def result_frame(ident: int, out: np.ndarray) -> tuple[bytes, memoryview]:
 
 def read_result(payload: bytearray) -> np.ndarray:
     n, cols = RESULT_HEAD.unpack_from(payload)
-    return np.frombuffer(payload, dtype=np.float32, offset=RESULT_HEAD.size).reshape(n, cols)
+    return np.ndarray((n, cols), _F32, payload, RESULT_HEAD.size)
 
 
 def json_frame(kind: int, ident: int, payload) -> bytes:

@@ -1,6 +1,7 @@
 """``RemoteEngine`` against the engine process's server (``EngineServer``) on a Unix socket, both in
-this event loop: a failed batch answers every request over the wire with its error, and a request
-withdrawn by the front end leaves the engine's queue before its batch runs."""
+this event loop: a failed batch answers every request over the wire with its error; a request
+withdrawn by the front end, or whose front end left, leaves the engine's queue before its batch
+runs; the engine answers a queued request's deadline itself."""
 
 import asyncio
 import itertools
@@ -12,7 +13,8 @@ import torch
 
 from fusedserve.service.batcher import Batcher
 from fusedserve.service.engine_process import Connection, EngineServer
-from fusedserve.service.errors import BatchFailed, ClientGone
+from fusedserve.service import remote as remote_module
+from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded
 from fusedserve.service.remote import RemoteEngine
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo, ServiceState
@@ -89,10 +91,52 @@ async def test_a_withdrawn_request_leaves_the_engine_queue(engines):
     leave.set_result(None)  # the client went away
     with pytest.raises(ClientGone):
         await second
-    for _ in range(200):  # the cancel frame withdraws it in the engine, before any batch takes it
-        if batcher.queued_rows == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert batcher.queued_rows == 0, "the withdrawn request stayed queued in the engine"
+    # the cancel frame withdraws it in the engine, before any batch takes it
+    assert await _queue_empties(batcher), "the withdrawn request stayed queued in the engine"
     runner.gate.set()
     np.testing.assert_array_equal(await asyncio.wait_for(first, 10), ROW[:, :2])
+
+
+@pytest.mark.parametrize("engines", [False], indirect=True)
+async def test_a_front_end_that_leaves_takes_its_queued_requests(engines):
+    remote, runner, batcher = engines
+    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
+    await asyncio.to_thread(runner.started.wait, 5)
+    second = asyncio.create_task(remote.infer("m", ROW, 10.0))
+    await _queue_fills(batcher)
+    await remote.close()  # the front end's process is gone: nobody is left to answer
+    assert await _queue_empties(batcher), "the engine kept a gone front end's request queued"
+    runner.gate.set()
+    await asyncio.gather(first, second, return_exceptions=True)
+
+
+@pytest.mark.parametrize("engines", [False], indirect=True)
+async def test_the_engine_answers_a_queued_requests_deadline(engines, monkeypatch):
+    remote, runner, batcher = engines
+    monkeypatch.setattr(remote_module, "DEADLINE_SLACK_S", 30.0)  # the front end's own timer stays out of it
+    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
+    await asyncio.to_thread(runner.started.wait, 5)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(DeadlineExceeded, match="within 200 ms"):
+        await asyncio.wait_for(remote.infer("m", ROW, 0.2), 10)
+    assert loop.time() - t0 < 5.0
+    assert batcher.queued_rows == 0, "the expired request stayed queued"
+    runner.gate.set()
+    np.testing.assert_array_equal(await asyncio.wait_for(first, 10), ROW[:, :2])
+
+
+async def _queue_fills(batcher) -> None:
+    for _ in range(200):
+        if batcher.queued_rows:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the request never reached the engine's queue")
+
+
+async def _queue_empties(batcher) -> bool:
+    for _ in range(200):
+        if batcher.queued_rows == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fusedserve.service import wire
-from fusedserve.service.errors import QueueFull
+from fusedserve.service.errors import BadInput, QueueFull
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
@@ -22,7 +22,15 @@ def test_frames_survive_any_split_of_the_stream(chunk):
                                                             (wire.ERROR, 8)]
     model, rows, timeout_s = wire.read_infer(frames[0][2])
     assert (model, timeout_s) == (2, 0.25) and rows.flags.writeable  # torch may write what it is handed
+    assert rows.flags.aligned and rows.flags.c_contiguous
     np.testing.assert_array_equal(rows, x)
     np.testing.assert_array_equal(wire.read_result(frames[2][2]), out)
     error = wire.read_error(frames[3][2])
     assert isinstance(error, QueueFull) and error.status == 503 and error.headers == {"Retry-After": "1"}
+
+
+def test_an_infer_frame_of_the_wrong_length_is_refused():
+    head, data = wire.infer_frame(1, 0, np.ones((2, 4), dtype=np.float32), 1.0)
+    payload = bytearray((bytes(head) + bytes(data))[wire.HEADER.size:-2])
+    with pytest.raises(BadInput, match="for 2 rows of 4"):
+        wire.read_infer(payload)
