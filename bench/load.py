@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=1, help="rows per request")
     p.add_argument("--quick", action="store_true", help="2 rounds of 2 s (cpu 1 64, cuda 1 64 256), within --budget-s")
     p.add_argument("--budget-s", type=float, help="start no run after this many seconds of runs (--quick: 150)")
-    p.add_argument("--profile", action="store_true", help="py-spy on fusedserve under 64 clients, and a request's stages")
+    p.add_argument("--profile", action="store_true", help="py-spy on --ours under load (by process), and a request's stages")
+    p.add_argument("--profile-clients", type=int, nargs="+", default=[1, 64], help="client counts --profile samples")
     p.add_argument("--ready-timeout", type=float, default=400.0, help="seconds a server may take to warm up")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/load_<host>.json)")
     args = p.parse_args(argv)
@@ -151,7 +152,8 @@ def measure(pool: LoadPool, servers: dict, name: str, bodies: list[bytes], clien
                other_servers_cpu_s=round(idle, 3),
                foreign_cpu_s=round(busy_s - mine - idle - run["client_cpu_s"] - (own1 - own0), 3),
                machine_busy=round(1 - (ticks[3] + ticks[4]) / max(ticks.sum(), 1), 3),
-               machine_steal=round(ticks[7] / max(ticks.sum(), 1), 3))
+               machine_steal=round(ticks[7] / max(ticks.sum(), 1), 3),
+               server_cores_by_process=s.cpu_by_process(procs0, procs1, run["seconds"]))
     return run
 
 
@@ -181,7 +183,7 @@ def profile(pool: LoadPool, servers: dict, bodies: dict, args) -> dict:
         return {"skipped": f"{args.ours} is not among the servers"}
     s, seconds, found = servers[args.ours], max(args.duration, 5.0), {}
     s.resume()
-    for clients in (1, 64):
+    for clients in args.profile_clients:
         spy = None
         out = args.out.with_name(f"{args.out.stem}_pyspy_{clients}c.txt")
         if load_profile.py_spy() is not None:
@@ -200,7 +202,9 @@ def profile(pool: LoadPool, servers: dict, bodies: dict, args) -> dict:
         if spy.returncode != 0 or not out.exists():
             found[clients]["py_spy"] = f"py-spy exited {spy.returncode}: {log[-1000:]}"
             continue
-        stacks = load_profile.parse_stacks(out.read_text())
+        text = out.read_text()
+        stacks = load_profile.parse_stacks(text)
+        found[clients]["by_process"] = load_profile.summarize_by_process(text)
         out.write_text("".join(f"{';'.join(k)} {n}\n" for k, n in stacks.most_common()))  # no process frame
         found[clients].update(stacks_file=out.name, **load_profile.summarize_stacks(stacks))
     return {"server": args.ours, "model": "digits", "seconds": seconds, "by_clients": found}

@@ -104,14 +104,40 @@ def parse_stacks(text: str) -> Counter:
 
     Frames that name a process or thread (``process 12:"..."``, ``thread (0x...)``) are dropped."""
     stacks = Counter()
+    for (_, frames), n in parse_stacks_by_process(text).items():
+        stacks[frames] += n
+    return stacks
+
+
+def parse_stacks_by_process(text: str) -> Counter:
+    """Like ``parse_stacks``, keyed by ``(role, frames)``: the role is the module of the innermost
+    process frame (``process 12:"python -m fusedserve.service.engine_process ..."`` ->
+    ``engine_process``), or ``""`` where py-spy named no process."""
+    stacks = Counter()
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = tuple(f for f in stack.split(";") if not f.startswith(("process ", "thread ")))
+        parts = stack.split(";")
+        processes = [p for p in parts if p.startswith("process ")]  # the root's, then its child's
+        role = _role(processes[-1]) if processes else ""
+        frames = tuple(f for f in parts if not f.startswith(("process ", "thread ")))
         if frames:
-            stacks[frames] += int(count)
+            stacks[(role, frames)] += int(count)
     return stacks
+
+
+def _role(process_frame: str) -> str:
+    argv = process_frame.split(":", 1)[-1].strip('"').split()
+    return argv[argv.index("-m") + 1].rsplit(".", 1)[-1] if "-m" in argv[:-1] else "main"
+
+
+def summarize_by_process(text: str, top: int = 15) -> dict:
+    """``summarize_stacks`` for each process role (engine, front ends, ...) of a py-spy recording."""
+    roles: dict[str, Counter] = {}
+    for (role, frames), n in parse_stacks_by_process(text).items():
+        roles.setdefault(role, Counter())[frames] += n
+    return {role: summarize_stacks(stacks, top) for role, stacks in roles.items()}
 
 
 def summarize_stacks(stacks: Counter, top: int = 15) -> dict:

@@ -120,6 +120,18 @@ def read_procs(proc: Path = Path("/proc")) -> dict[int, tuple[int, int]]:
     return procs
 
 
+def process_role(pid: int, proc: Path = Path("/proc")) -> str:
+    """The module a Python process runs (``-m fusedserve.service.frontend`` -> ``frontend``), or its
+    program's name; ``?`` once it is gone."""
+    try:
+        argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    if b"-m" in argv[:-1]:
+        return argv[argv.index(b"-m") + 1].decode(errors="replace").rsplit(".", 1)[-1]
+    return Path(argv[0].decode(errors="replace")).name or "?"
+
+
 def tree(root: int, procs: dict[int, tuple[int, int]]) -> list[int]:
     """``root`` and all its live descendants."""
     children: dict[int, list[int]] = {}
@@ -179,6 +191,20 @@ class ServerProcess:
 
     def pids(self) -> list[int]:
         return tree(self.proc.pid, read_procs())
+
+    def cpu_by_process(self, before: dict, after: dict, seconds: float) -> dict:
+        """Cores each process of the tree kept busy between two ``read_procs`` snapshots, summed by
+        role (its ``-m`` module or program name), with the busiest single process of each role: a
+        serial stage (one engine process) at ~1.0 core is the ceiling."""
+        hz, roles = os.sysconf("SC_CLK_TCK"), {}
+        for pid in tree(self.proc.pid, after):
+            cores = (after[pid][1] - before.get(pid, (0, 0))[1]) / hz / max(seconds, 1e-9)  # new: all its time
+            role = "root" if pid == self.proc.pid else process_role(pid)
+            entry = roles.setdefault(role, {"processes": 0, "cores": 0.0, "busiest_cores": 0.0})
+            entry["processes"] += 1
+            entry["cores"] = round(entry["cores"] + cores, 3)
+            entry["busiest_cores"] = round(max(entry["busiest_cores"], cores), 3)
+        return roles
 
     def pause(self) -> None:
         """SIGSTOP the whole tree if the spec asks for it (see ``pause_when_idle``)."""

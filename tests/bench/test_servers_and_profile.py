@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.load_profile import area, parse_stacks, summarize_stacks, thread_split, thread_ticks
+from bench.load_profile import area, parse_stacks, summarize_by_process, summarize_stacks, thread_split, thread_ticks
 from bench.servers import (ServerProcess, ServerSpec, default_servers, parse_server, read_procs, settled, stat_fields,
                            tree)
 
@@ -65,6 +65,38 @@ def test_a_servers_cpu_time_counts_its_children(tmp_path):
     while (left := [pid for pid in children if _running(pid)]) and time.monotonic() < end:
         time.sleep(0.05)
     assert not left, left
+
+
+def test_cpu_by_process_names_each_role_and_its_busiest_process(tmp_path):
+    # Two children run the same module (two front ends), busy or idle: the role sums them, and its
+    # busiest one is the burner alone.
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)"
+    (tmp_path / "busy.py").write_text(burn)
+    (tmp_path / "idle.py").write_text("import time\ntime.sleep(30)")
+    code = ("import subprocess, sys, time; [subprocess.Popen([sys.executable, '-m', m], cwd=sys.argv[1]) "
+            "for m in ('busy', 'idle', 'busy')]; time.sleep(30)")
+    server = ServerProcess(ServerSpec("roles", ("{python}", "-c", code, str(tmp_path))), "cpu", tmp_path, tmp_path)
+    try:
+        before, t0 = read_procs(), time.monotonic()
+        end = t0 + 20
+        while server.cpu_seconds() < 0.75 and time.monotonic() < end:
+            time.sleep(0.1)
+        roles = server.cpu_by_process(before, read_procs(), time.monotonic() - t0)
+    finally:
+        server.stop(timeout_s=5)
+    assert {r: v["processes"] for r, v in roles.items()} == {"root": 1, "busy": 2, "idle": 1}
+    assert roles["busy"]["cores"] >= roles["busy"]["busiest_cores"] > roles["idle"]["busiest_cores"]
+
+
+def test_summarize_by_process_keys_samples_by_the_innermost_process_module():
+    text = ('process 5:"python -m fusedserve serve";process 6:"python -m fusedserve.service.engine_process --x 1";'
+            "Batcher._loop (service/batcher.py:238) 3\n"
+            'process 5:"python -m fusedserve serve";process 7:"python -m fusedserve.service.frontend --fd 3";'
+            "thread (0x1);Runner.run (asyncio/runners.py:118) 1\n"
+            'process 5:"python -m fusedserve serve";Runner.run (asyncio/runners.py:118) 2\n')
+    summary = summarize_by_process(text)
+    assert {role: s["samples"] for role, s in summary.items()} == {"engine_process": 3, "frontend": 1, "fusedserve": 2}
+    assert summary["engine_process"]["top_self_frames"][0]["what"].startswith("Batcher._loop")
 
 
 def _running(pid: int) -> bool:
