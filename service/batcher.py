@@ -205,14 +205,15 @@ class Batcher:
         else:
             item.future.set_exception(error)
 
-    def put(self, x: np.ndarray, origin: int = 0) -> Pending:
+    def put(self, x: np.ndarray, origin: int = 0, requests: int = 1) -> Pending:
         """Queue ``x`` without waiting for it, for a caller that answers by callback (the engine
-        process): ``item.future`` gets the output or the error; ``give_up`` withdraws it."""
+        process; ``requests``: how many client requests its rows are): ``item.future`` gets the
+        output or the error; ``give_up`` withdraws it."""
         if self._stopping:
             raise NotReady(f"model {self.runner.name!r} is shutting down; retry on another replica")
         if self._event_loop is None:
             raise NotReady(f"model {self.runner.name!r} is not serving yet")
-        item = self._queue.put(x, self._event_loop.create_future(), origin)
+        item = self._queue.put(x, self._event_loop.create_future(), origin, requests)
         if self._state is _IDLE or (self._state is _FILLING and self._queue.rows >= self.max_batch_size):
             self._wake.set()
         return item
@@ -254,7 +255,7 @@ class Batcher:
     async def _execute(self, batch: list[Pending]) -> bool:
         """Run ``batch`` and answer its requests; returns whether it ran on the event loop's thread."""
         started = time.monotonic()
-        waits = [started - item.enqueued for item in batch]
+        waits = [started - item.enqueued for item in batch for _ in range(item.requests)]
         x = np.concatenate([item.x for item in batch]) if len(batch) > 1 else batch[0].x
         if len(batch) > 1 and any(item.origin != batch[0].origin for item in batch):
             self.mixed_batches += 1

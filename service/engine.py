@@ -99,17 +99,19 @@ class LocalEngine:
         state.metrics.record_request(model, "ok")
         return out
 
-    def submit(self, model: str, rows: np.ndarray, timeout_s: float, answer: Callable, origin: int = 0) -> Callable:
-        """``infer`` with no task or coroutine per request, for the engine process: queues ``rows`` and
-        calls ``answer(out, None)`` or ``answer(None, error)`` once, unless the request is withdrawn
-        first by calling what this returns. Raises QueueFull or NotReady at once."""
+    def submit(self, model: str, rows: np.ndarray, timeout_s: float, answer: Callable, origin: int = 0,
+               requests: int = 1) -> Callable:
+        """``infer`` with no task or coroutine per request, for the engine process: queues ``rows`` (of
+        ``requests`` client requests, one group of a front end) and calls ``answer(out, None)`` or
+        ``answer(None, error)`` once, unless withdrawn first by calling what this returns. Raises
+        QueueFull or NotReady at once."""
         state = self._state
         batcher = state.batchers[model]
         t0 = time.perf_counter()
         try:
-            item = batcher.put(rows, origin)
+            item = batcher.put(rows, origin, requests)
         except ServiceError:
-            state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
+            state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0, count=requests)
             raise
         give_up = functools.partial(batcher.give_up, item)
         timer = deadline(item.future, model, timeout_s, give_up)
@@ -117,9 +119,9 @@ class LocalEngine:
         def done(future: asyncio.Future) -> None:
             timer.cancel()
             ok = not future.cancelled() and future.exception() is None
-            state.stats.record_request(model, ok=ok, seconds=time.perf_counter() - t0)
+            state.stats.record_request(model, ok=ok, seconds=time.perf_counter() - t0, count=requests)
             if ok:
-                state.metrics.record_request(model, "ok")
+                state.metrics.record_request(model, "ok", requests)
                 answer(future.result(), None)
             elif not future.cancelled():  # cancelled: withdrawn, the front end already answered its client
                 answer(None, future.exception())

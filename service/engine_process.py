@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import itertools
 import json
 import logging
@@ -31,13 +30,13 @@ STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to
 
 
 class Connection(asyncio.Protocol):
-    """One front end: its requests in flight (each with what withdraws it) and its outbox."""
+    """One front end: its requests in flight (each with the group that holds it) and its outbox."""
 
     def __init__(self, server: EngineServer, origin: int):
         self.server = server
         self.origin = origin  # tells this front end's requests apart in a batch
         self.frames = wire.Frames()
-        self.withdraw: dict[int, Callable[[], None]] = {}  # request id -> what takes it back
+        self.groups: dict[int, Group] = {}  # request id -> its group, until answered or withdrawn
         self.outbox: wire.Outbox | None = None
 
     def connection_made(self, transport) -> None:
@@ -47,40 +46,35 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
-        withdraw, self.withdraw = self.withdraw, {}
-        for give_up in withdraw.values():  # nobody is left to answer: never compute them
-            give_up()
+        groups, self.groups = set(self.groups.values()), {}
+        for group in groups:  # nobody is left to answer: never compute them
+            group.withdraw()
 
     def data_received(self, data: bytes) -> None:
         for kind, ident, payload in self.frames.feed(data):
             if kind == wire.INFER:
                 self._infer(ident, payload)
             elif kind == wire.CANCEL:
-                withdraw = self.withdraw.pop(ident, None)
-                if withdraw is not None:
-                    withdraw()
+                group = self.groups.pop(ident, None)
+                if group is not None:
+                    group.drop()
             elif kind == wire.CONTROL:
                 asyncio.ensure_future(self._control(ident, payload))
 
     def _infer(self, ident: int, payload: bytearray) -> None:
         try:
-            model, x, timeout_s = wire.read_infer(payload)
-            self.withdraw[ident] = self.server.submit(model, x, timeout_s, functools.partial(self._answer, ident),
-                                                      self.origin)
-        except Exception as exc:  # noqa: BLE001 - refused at once (queue full, not serving) or a bug
-            self._answer(ident, None, exc)
-
-    def _answer(self, ident: int, out, error: BaseException | None) -> None:
-        self.withdraw.pop(ident, None)
-        if error is None:
-            self.outbox.send(*wire.result_frame(ident, out))
+            model, idents, rows, x, timeout_s = wire.read_infer(payload)
+        except ServiceError as exc:  # a front end's bug: its first request hears of it, the rest time out
+            log.error("bad INFER frame from front end %d: %s", self.origin, exc)
+            self.outbox.send(wire.json_frame(wire.ERROR, ident, wire.error_payload(exc)))
             return
-        if isinstance(error, ClientGone):
-            return  # the front end already answered its client
-        if not isinstance(error, ServiceError):  # a bug: answered, logged, never a hung request
-            log.error("engine request failed", exc_info=error)
-            error = ServiceError(f"internal error in the engine: {type(error).__name__}: {error}")
-        self.outbox.send(wire.json_frame(wire.ERROR, ident, wire.error_payload(error)))
+        group = Group(self, idents, rows)
+        for i in idents:
+            self.groups[i] = group
+        try:
+            group.withdraw = self.server.submit(model, x, timeout_s, group.answer, self.origin, len(idents))
+        except Exception as exc:  # noqa: BLE001 - refused at once (queue full, not serving) or a bug
+            group.answer(None, exc)
 
     async def _control(self, ident: int, payload: bytearray) -> None:
         try:
@@ -92,6 +86,48 @@ class Connection(asyncio.Protocol):
             self.outbox.send(wire.json_frame(wire.REPLY, ident, reply))
 
 
+class Group:
+    """The requests of one INFER frame, queued and answered as one: each gets its rows of the output
+    (or the error) unless withdrawn; once all are withdrawn the group leaves the queue."""
+
+    def __init__(self, conn: Connection, idents: list[int], rows: list[int]):
+        self.conn, self.idents, self.rows = conn, idents, rows
+        self.live = len(idents)
+        self.withdraw: Callable[[], None] = _nothing
+
+    def drop(self) -> None:
+        """One of its requests was withdrawn (its client left, its deadline passed at the front end)."""
+        self.live -= 1
+        if self.live == 0:
+            self.withdraw()
+
+    def answer(self, out, error: BaseException | None) -> None:
+        conn, groups, start = self.conn, self.conn.groups, 0
+        frame = None if error is None else _error_frame(error)
+        for ident, n in zip(self.idents, self.rows):
+            if groups.get(ident) is self:
+                del groups[ident]
+                if error is None:
+                    conn.outbox.send(*wire.result_frame(ident, out[start:start + n]))
+                elif frame is not None:
+                    conn.outbox.send(wire.json_frame(wire.ERROR, ident, frame))
+            start += n
+
+
+def _nothing() -> None:
+    pass
+
+
+def _error_frame(error: BaseException) -> dict | None:
+    """The ERROR payload for ``error``; None for ClientGone (the front end already answered)."""
+    if isinstance(error, ClientGone):
+        return None
+    if not isinstance(error, ServiceError):  # a bug: answered, logged, never a hung request
+        log.error("engine request failed", exc_info=error)
+        error = ServiceError(f"internal error in the engine: {type(error).__name__}: {error}")
+    return wire.error_payload(error)
+
+
 class EngineServer:
     """The engine's side of every front-end connection, over this process's ``ServiceState``."""
 
@@ -100,7 +136,7 @@ class EngineServer:
         self.engine = LocalEngine(state)
         self.connections: set[Connection] = set()
         self._names: list[str] = []
-        self._rows_per_request = state.settings.rows_per_request
+        self._max_rows = state.settings.max_batch_size  # of a group; each request's were checked
         self._last_status: dict | None = None
 
     def status(self) -> dict:
@@ -123,15 +159,16 @@ class EngineServer:
                     conn.outbox.send(frame)
             await asyncio.sleep(STATUS_POLL_S)
 
-    def submit(self, model: int, x, timeout_s: float, answer: Callable, origin: int) -> Callable[[], None]:
+    def submit(self, model: int, x, timeout_s: float, answer: Callable, origin: int,
+               requests: int) -> Callable[[], None]:
         if not self.state.serving or self.state.draining:
             raise NotReady("the engine is not serving (warming up or stopping); retry shortly",
                            headers={"Retry-After": "1"})
         name = self._names[model]
         info = self.state.models[name]
-        if x.shape[1] != info.in_features or x.shape[0] > self._rows_per_request:
-            raise ServiceError(f"rows {x.shape} do not fit model {name!r}")  # the front end checks: a bug
-        return self.engine.submit(name, x, timeout_s, answer, origin)
+        if x.shape[1] != info.in_features or x.shape[0] > self._max_rows:  # the front end checks: a bug
+            raise ServiceError(f"rows {x.shape} do not fit model {name!r}")
+        return self.engine.submit(name, x, timeout_s, answer, origin, requests)
 
     async def control(self, message: dict):
         op, engine = message.get("op"), self.engine

@@ -115,11 +115,11 @@ class Metrics:
         for w in waits:
             wait.observe(w)
 
-    def record_request(self, model: str, outcome: str) -> None:
+    def record_request(self, model: str, outcome: str, count: int = 1) -> None:
         key = (model, outcome)
         counter = self._requests.get(key)
         if counter is None:
             counter = self._requests[key] = self.requests.labels(model, outcome)
-        counter.inc()
+        counter.inc(count)
         if self._on_request is not None:
-            self._on_request(model, outcome)
+            self._on_request(model, outcome, count)

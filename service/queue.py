@@ -18,6 +18,7 @@ class Pending:
     future: asyncio.Future
     enqueued: float  # time.monotonic()
     origin: int = 0  # who sent it: the front-end connection in the engine process of --workers N
+    requests: int = 1  # client requests its rows answer (a front end's group, in the engine process)
 
     @property
     def rows(self) -> int:
@@ -50,13 +51,13 @@ class RequestQueue:
     def oldest(self) -> Pending:
         return self._items[0]
 
-    def put(self, x: np.ndarray, future: asyncio.Future, origin: int = 0) -> Pending:
+    def put(self, x: np.ndarray, future: asyncio.Future, origin: int = 0, requests: int = 1) -> Pending:
         rows = x.shape[0]
         if self._rows + rows > self.max_rows:
             raise QueueFull(
                 f"model {self.model!r} has {self._rows} rows queued (limit {self.max_rows}); retry shortly",
                 headers={"Retry-After": "1"})
-        item = Pending(x, future, time.monotonic(), origin)
+        item = Pending(x, future, time.monotonic(), origin, requests)
         self._items.append(item)
         self._rows += rows
         return item

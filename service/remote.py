@@ -43,12 +43,15 @@ class RemoteEngine(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._outbox: wire.Outbox | None = None
         self._frames = wire.Frames()
+        self._groups: dict[tuple[int, float], wire.InferGroup] = {}  # this turn's requests, sent at its end
+        self._max_group_rows = state.settings.max_batch_size  # the engine never splits what it queued
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._status: dict | None = None  # the engine's last status; None while disconnected
         self._models: dict[str, ModelInfo] = {}
         self._index: dict[str, int] = {}
         self._lost: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._task: asyncio.Task | None = None
         self._closing = False
         self._first_try = asyncio.Event()
@@ -58,7 +61,8 @@ class RemoteEngine(asyncio.Protocol):
         """Connect; returns once the engine's status came, or at once if no engine listens yet (a
         restarted front end must not answer its first requests 503 while its status is on the way)."""
         self._first_try = asyncio.Event()
-        self._task = asyncio.create_task(self._keep_connected(), name="engine-connection")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._keep_connected(), name="engine-connection")
         try:
             await asyncio.wait_for(self._first_try.wait(), FIRST_STATUS_S)
         except asyncio.TimeoutError:
@@ -87,14 +91,16 @@ class RemoteEngine(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self._transport = transport
-        self._outbox = wire.Outbox(transport)
+        self._outbox = wire.Outbox(transport, pack=self._pack_groups)
         self._frames = wire.Frames()
+        self._groups = {}
         log.info("connected to the engine process")
 
     def connection_lost(self, exc) -> None:
         if self._status is not None and not self._closing:
             log.error("lost the engine process: answering its requests with 503 until it is back")
         self._transport, self._outbox, self._status, self._models = None, None, None, {}
+        self._groups = {}
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -155,12 +161,30 @@ class RemoteEngine(asyncio.Protocol):
                     abandon: asyncio.Future | None = None) -> np.ndarray:
         if self._outbox is None:
             raise _gone()
-        loop = asyncio.get_running_loop()
         ident = next(self._ids) & wire.ID_MASK
-        future = self._pending[ident] = loop.create_future()
-        self._outbox.send(*wire.infer_frame(ident, self._index[model], rows, timeout_s))
+        future = self._pending[ident] = self._loop.create_future()
+        self._gather(self._index[model], ident, rows, timeout_s)
         return await wait_answer(future, model, timeout_s, abandon, functools.partial(self._withdraw, ident),
                                  slack_s=DEADLINE_SLACK_S)
+
+    def _gather(self, model: int, ident: int, rows: np.ndarray, timeout_s: float) -> None:
+        """Adds a request to this turn's group for its model and timeout: the engine queues, answers
+        and times a group as one (its per-request cost was the engine's ceiling). A group that would
+        outgrow a batch goes out at once."""
+        key = (model, timeout_s)
+        group = self._groups.get(key)
+        if group is not None and (group.rows + rows.shape[0] > self._max_group_rows
+                                  or len(group.entries) == wire.MAX_GROUP):
+            self._outbox.send(*group.frame())
+            group = None
+        if group is None:
+            group = self._groups[key] = wire.InferGroup(model, rows.shape[1], timeout_s)
+            self._outbox.send()  # the flush at the turn's end packs it
+        group.add(ident, rows)
+
+    def _pack_groups(self) -> list:
+        groups, self._groups = self._groups, {}
+        return [chunk for group in groups.values() for chunk in group.frame()]
 
     def _withdraw(self, ident: int, error: Exception | None) -> None:
         """End the wait of request ``ident`` with ``error`` (None: cancel) and tell the engine to drop it."""

@@ -94,21 +94,25 @@ class ServiceStats:
             series.wait_count += len(waits)
             series.last_inference_ms = int(time.time() * 1000)
 
-    def record_request(self, model: str, ok: bool, seconds: float) -> None:
+    def record_request(self, model: str, ok: bool, seconds: float, count: int = 1) -> None:
+        """``count`` requests answered together (one group of a front end), each after ``seconds``."""
         with self._lock:
             series = self._model(model)
-            series.latencies.append(seconds)
-            if ok:
-                series.success += 1
-                series.success_s += seconds
+            if count == 1:
+                series.latencies.append(seconds)
             else:
-                series.failures += 1
-                series.failure_s += seconds
+                series.latencies.extend([seconds] * count)
+            if ok:
+                series.success += count
+                series.success_s += seconds * count
+            else:
+                series.failures += count
+                series.failure_s += seconds * count
 
-    def record_outcome(self, model: str, outcome: str) -> None:
-        """One request answered, by the outcome label /metrics counts it under ("ok", "bad_input"...)."""
+    def record_outcome(self, model: str, outcome: str, count: int = 1) -> None:
+        """Requests answered, by the outcome label /metrics counts them under ("ok", "bad_input"...)."""
         with self._lock:
-            (self._model(model).outcomes if model else self._unattributed)[outcome] += 1
+            (self._model(model).outcomes if model else self._unattributed)[outcome] += count
 
     def reset(self) -> None:
         with self._lock:

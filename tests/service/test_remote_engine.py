@@ -1,7 +1,8 @@
 """``RemoteEngine`` against the engine process's server (``EngineServer``) on a Unix socket, both in
 this event loop: a failed batch answers every request over the wire with its error; a request
 withdrawn by the front end, or whose front end left, leaves the engine's queue before its batch
-runs; the engine answers a queued request's deadline itself."""
+runs; the engine answers a queued request's deadline itself; requests sent in one turn travel
+and queue as one group, each answered with its own rows."""
 
 import asyncio
 import itertools
@@ -124,6 +125,53 @@ async def test_the_engine_answers_a_queued_requests_deadline(engines, monkeypatc
     assert batcher.queued_rows == 0, "the expired request stayed queued"
     runner.gate.set()
     np.testing.assert_array_equal(await asyncio.wait_for(first, 10), ROW[:, :2])
+
+
+@pytest.mark.parametrize("engines", [False], indirect=True)
+async def test_requests_of_one_turn_queue_as_one_group_and_get_their_own_rows(engines):
+    remote, runner, batcher = engines
+    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
+    await asyncio.to_thread(runner.started.wait, 5)
+    rows = [np.array([[i, -i, 0.5]], dtype=np.float32) for i in range(1, 4)]
+    leave = asyncio.get_running_loop().create_future()
+    calls = [asyncio.create_task(remote.infer("m", x, 10.0, abandon=leave if i == 1 else None))
+             for i, x in enumerate(rows)]  # created in one turn: they run, and are sent, in the next
+    await _queue_fills(batcher)
+    assert (len(batcher._queue), batcher.queued_rows) == (1, 3), "one turn's requests were not one group"
+    leave.set_result(None)  # one of the group leaves: the others are still computed and answered
+    with pytest.raises(ClientGone):
+        await calls[1]
+    assert batcher.queued_rows == 3
+    runner.gate.set()
+    for call, x in zip((calls[0], calls[2]), (rows[0], rows[2])):
+        np.testing.assert_array_equal(await asyncio.wait_for(call, 10), x[:, :2])
+    await first
+
+
+@pytest.mark.parametrize("engines", [False], indirect=True)
+async def test_a_group_whose_requests_all_leave_leaves_the_queue(engines):
+    remote, runner, batcher = engines
+    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
+    await asyncio.to_thread(runner.started.wait, 5)
+    leave = asyncio.get_running_loop().create_future()
+    calls = [asyncio.create_task(remote.infer("m", ROW, 10.0, abandon=leave)) for _ in range(3)]
+    await _queue_fills(batcher)
+    leave.set_result(None)
+    assert all(isinstance(r, ClientGone) for r in await asyncio.gather(*calls, return_exceptions=True))
+    assert await _queue_empties(batcher), "a group nobody waits for stayed queued"
+    runner.gate.set()
+    await first
+
+
+@pytest.mark.parametrize("engines", [False], indirect=True)
+async def test_a_group_never_outgrows_a_batch(engines):
+    # 5 requests of 3 rows in one turn, batches of at most 8 rows: one 15-row group would never run.
+    remote, runner, batcher = engines
+    runner.gate.set()
+    rows = [np.full((3, 3), i, dtype=np.float32) for i in range(5)]
+    outs = await asyncio.wait_for(asyncio.gather(*(remote.infer("m", x, 10.0) for x in rows)), 10)
+    for out, x in zip(outs, rows):
+        np.testing.assert_array_equal(out, x[:, :2])
 
 
 async def _queue_fills(batcher) -> None:
