@@ -86,7 +86,7 @@ class HotPath:
             if kind == "infer":
                 info, inputs = infer_route.parse(engine, raw)
                 model = info.name
-                x = infer_route.rows(state, info, inputs)
+                x = infer_route.rows(state, info, inputs, raw)
             else:
                 req, x, binary = v2.decode(state, info, raw, _text(headers, _HEADER_LENGTH))
             out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive)

@@ -98,8 +98,9 @@ def check_rows(x: np.ndarray, where: str, in_features: int, max_rows: int) -> np
     return x
 
 
-def rows_from_json(value: object, where: str, in_features: int, max_rows: int) -> np.ndarray:
-    """A JSON list of rows of numbers to float32 [rows, in_features]."""
+def rows_from_json(value: object, where: str, in_features: int, max_rows: int, body: bytes | None = None) -> np.ndarray:
+    """A JSON list of rows of numbers to float32 [rows, in_features]. ``body``: the JSON text ``value``
+    was parsed from, if at hand (a body without "true" or "false" in it holds no boolean)."""
     if not isinstance(value, list):
         raise BadInput(f"{where} must be a list of rows of numbers, got {type(value).__name__}")
     if not value:
@@ -109,7 +110,8 @@ def rows_from_json(value: object, where: str, in_features: int, max_rows: int) -
         raise BadInput(f"{where} must hold only numbers (no strings, booleans, nulls or ragged rows), "
                        f"each row {in_features} numbers")
     # numpy turns true/false into 1/0 silently; one C-level pass over the types catches them, run only
-    # when some value is exactly 0 or 1 (a 2048-wide row of other values skips its ~30 us).
-    if x.ndim == 2 and ((x == 0) | (x == 1)).any() and bool in set(map(type, chain.from_iterable(value))):
+    # when the body may hold one and some value is exactly 0 or 1 (a 2048-wide row skips its ~30 us).
+    if x.ndim == 2 and (body is None or b"true" in body or b"false" in body) and ((x == 0) | (x == 1)).any() \
+            and bool in set(map(type, chain.from_iterable(value))):
         raise BadInput(f"{where} must hold only numbers, not true/false")
     return check_rows(x, where, in_features, max_rows)

@@ -25,9 +25,10 @@ _EXAMPLE = {"model": "mymodel", "inputs": [[0.5, 3.0, -1.25], [1.0, 0.0, 2.0]]}
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"example": _EXAMPLE}}}},
 )
 async def infer_route(request: Request, state: Annotated[ServiceState, Depends(get_state)]) -> Response:
-    info, inputs = parse(request.app.state.engine, await read_body(request, state.settings.max_body_bytes))
+    raw = await read_body(request, state.settings.max_body_bytes)
+    info, inputs = parse(request.app.state.engine, raw)
     request.state.model = info.name
-    x = rows(state, info, inputs)
+    x = rows(state, info, inputs, raw)
     return Response(encode(info, await infer(state, request, info.name, x)), media_type="application/json")
 
 
@@ -44,9 +45,9 @@ def parse(engine: Engine, raw: bytes) -> tuple[ModelInfo, object]:
     return engine.model(name), body["inputs"]
 
 
-def rows(state: ServiceState, info: ModelInfo, inputs) -> np.ndarray:
-    """The "inputs" as float32 rows of ``info``'s width, or BadInput."""
-    return rows_from_json(inputs, "inputs", info.in_features, state.settings.rows_per_request)
+def rows(state: ServiceState, info: ModelInfo, inputs, raw: bytes) -> np.ndarray:
+    """The "inputs" (parsed from body ``raw``) as float32 rows of ``info``'s width, or BadInput."""
+    return rows_from_json(inputs, "inputs", info.in_features, state.settings.rows_per_request, raw)
 
 
 def encode(info: ModelInfo, out: np.ndarray) -> bytes:
