@@ -19,8 +19,9 @@
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
 #   20 s; the live page's JSON saved to dashboard_<gpu>.json (bench/dashboard_shot.py replay draws it).
-# load-workers: issue 22's run: 8 front ends against naive FastAPI under uvicorn --workers 12,
-#   64 and 256 clients, digits and the 4x2048 bf16 model (LOAD_MODELS), py-spy by process at 256.
+# load-workers: issue 22's run: 8 front ends (LOAD_WORKERS="8 12": each count, the first is ours)
+#   against naive FastAPI under uvicorn --workers 12, 64 and 256 clients, digits and the 4x2048 bf16
+#   model (LOAD_MODELS), py-spy by process at 256.
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_<gpu>_$KERNELS_TAG.json.
@@ -57,6 +58,18 @@ stage() {  # stage NAME SECONDS CMD...: run one stage, log it, never stop the ot
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+}
+
+load_workers() {  # issue 22's run: fusedserve with each of $LOAD_WORKERS front ends (the first is "ours")
+    local w names=() servers=() workers=${LOAD_WORKERS:-8}
+    for w in $workers; do
+        names+=("fusedserve_w$w")
+        servers+=(--server "fusedserve_w$w={python} -m fusedserve serve --port {port} --device {device} \
+--model-repository {repo} --grpc-port 0 --log-level warning --workers $w --background-tuning off")
+    done
+    stage load-workers 560 python3 bench/load.py --device cuda --models ${LOAD_MODELS:-digits wide} --clients 64 256 \
+        --rounds 2 --duration 3 --servers "${names[@]}" naive_fastapi_12w --ours "${names[0]}" "${servers[@]}" \
+        --profile --profile-clients 256 --ready-timeout 110 --out "$out/load_${gpu}_workers${workers// /_}.json"
 }
 
 serve_bg() {  # serve_bg PORT LOG ARGS...: `fusedserve serve` in the background (its PID in server_pid);
@@ -213,11 +226,7 @@ for s in "${stages[@]}"; do
         # ~4 min with the tune cache warm (a cold one adds ~2-3 min of start-up); LitServe and py-spy
         # where their wheels were brought (../shared/gpu/wheels.sh litserve py-spy matplotlib).
         load) stage load 420 python3 bench/load.py --device cuda --quick --out "$out/load_$gpu.json" ;;
-        load-workers) stage load-workers 560 python3 bench/load.py --device cuda --models ${LOAD_MODELS:-digits wide} \
-            --clients 64 256 --rounds 2 --duration 3 --servers fusedserve_w8 naive_fastapi_12w --ours fusedserve_w8 \
-            --server "fusedserve_w8={python} -m fusedserve serve --port {port} --device {device} --model-repository {repo} \
---grpc-port 0 --log-level warning --workers 8 --background-tuning off" --profile --profile-clients 256 \
-            --ready-timeout 110 --out "$out/load_${gpu}_workers8.json" ;;
+        load-workers) load_workers ;;
         profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
             python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;
         mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_$gpu.jsonl" \
