@@ -21,7 +21,7 @@
 #   20 s; the live page's JSON saved to dashboard_<gpu>.json (bench/dashboard_shot.py replay draws it).
 # load-workers: issue 22's run: 8 front ends (LOAD_WORKERS="8 12": each count, the first is ours)
 #   against naive FastAPI under uvicorn --workers 12, 64 and 256 clients, digits and the 4x2048 bf16
-#   model (LOAD_MODELS), py-spy by process at 256.
+#   model (LOAD_MODELS), py-spy by process at 256 clients of PROFILE_MODEL (digits).
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_<gpu>_$KERNELS_TAG.json.
@@ -69,7 +69,7 @@ load_workers() {  # issue 22's run: fusedserve with each of $LOAD_WORKERS front 
     done
     stage load-workers 560 python3 bench/load.py --device cuda --models ${LOAD_MODELS:-digits wide} --clients 64 256 \
         --rounds 2 --duration 3 --servers "${names[@]}" naive_fastapi_12w --ours "${names[0]}" "${servers[@]}" \
-        --profile --profile-clients 256 --ready-timeout 110 --out "$out/load_${gpu}_workers${workers// /_}.json"
+        --profile --profile-clients 256 --profile-model "${PROFILE_MODEL:-digits}" --ready-timeout 110 --out "$out/load_${gpu}_workers${workers// /_}.json"
 }
 
 serve_bg() {  # serve_bg PORT LOG ARGS...: `fusedserve serve` in the background (its PID in server_pid);

@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, help="start no run after this many seconds of runs (--quick: 150)")
     p.add_argument("--profile", action="store_true", help="py-spy on --ours under load (by process), and a request's stages")
     p.add_argument("--profile-clients", type=int, nargs="+", default=[1, 64], help="client counts --profile samples")
+    p.add_argument("--profile-model", default="digits", choices=["digits", "wide"], help="the model --profile drives")
     p.add_argument("--ready-timeout", type=float, default=400.0, help="seconds a server may take to warm up")
     p.add_argument("--out", type=Path, help="JSON path (default bench/results/load_<host>.json)")
     args = p.parse_args(argv)
@@ -191,7 +192,8 @@ def profile(pool: LoadPool, servers: dict, bodies: dict, args) -> dict:
             time.sleep(0.5)  # py-spy attaches
         pids = s.pids()
         before = load_profile.thread_ticks(pids)
-        run = pool.run(s.port, s.spec.infer_path, bodies["digits"], clients, seconds, args.max_requests, lead_s=0.2)
+        run = pool.run(s.port, s.spec.infer_path, bodies[args.profile_model], clients, seconds, args.max_requests,
+                       lead_s=0.2)
         split = load_profile.thread_split(before, load_profile.thread_ticks(pids), s.proc.pid)
         found[clients] = {"rps": run["rps"], "cpu_ms_per_request_by_thread": {
             k: round(v * 1e3 / max(run["requests"], 1), 4) for k, v in split.items()}}
@@ -207,7 +209,7 @@ def profile(pool: LoadPool, servers: dict, bodies: dict, args) -> dict:
         found[clients]["by_process"] = load_profile.summarize_by_process(text)
         out.write_text("".join(f"{';'.join(k)} {n}\n" for k, n in stacks.most_common()))  # no process frame
         found[clients].update(stacks_file=out.name, **load_profile.summarize_stacks(stacks))
-    return {"server": args.ours, "model": "digits", "seconds": seconds, "by_clients": found}
+    return {"server": args.ours, "model": args.profile_model, "seconds": seconds, "by_clients": found}
 
 
 def specs(args) -> tuple[dict, dict]:
@@ -269,7 +271,7 @@ def benchmark(args, work: Path, started: float) -> dict:
         print(f"warning: the CPUs are {quiet:.0%} busy before the benchmark starts", flush=True)
     repo = write_repository(work / "repo", args.device)
     widths = {"digits": 64, "wide": WIDE}
-    bodies = {m: request_bodies(m, widths[m], args.rows) for m in {*args.models, "digits"}}
+    bodies = {m: request_bodies(m, widths[m], args.rows) for m in {*args.models, "digits", args.profile_model}}
     servers = start(chosen, args, repo, work)
     try:
         print(f"{len(servers)} servers ready after {time.monotonic() - started:.0f} s: {', '.join(servers)}", flush=True)
