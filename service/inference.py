@@ -35,9 +35,13 @@ async def _disconnected(receive) -> None:
         pass
 
 
-async def run_rows(engine: Engine, model: str, x: np.ndarray, timeout: float, receive) -> np.ndarray:
-    """Outputs [rows, out] for ``x``; raises ServiceError subclasses. ``receive`` is the request's
-    ASGI receive: a request whose client leaves first is withdrawn."""
+async def run_rows(engine: Engine, model: str, x: np.ndarray, timeout: float, receive,
+                   gone: asyncio.Future | None = None) -> np.ndarray:
+    """Outputs [rows, out] for ``x``; raises ServiceError subclasses. A request whose client leaves
+    first is withdrawn: ``gone`` (the HTTP protocol's ``middleware.GONE``) says so, else a watch on
+    ``receive``, the request's ASGI receive."""
+    if gone is not None:
+        return await engine.infer(model, x, timeout, abandon=gone)
     watch = asyncio.ensure_future(_disconnected(receive))
     try:
         return await engine.infer(model, x, timeout, abandon=watch)

@@ -14,6 +14,9 @@ access_log = logging.getLogger("fusedserve.access")
 CLIENT_GONE = "fusedserve.client_gone"
 # Set there too when the protocol itself answered the request (408: its body came too slowly).
 ANSWERED = "fusedserve.answered"
+# A future the HTTP protocol completes when the request's client leaves before its answer: the rows'
+# routes withdraw the request on it (without it, a task per request watches ASGI receive).
+GONE = "fusedserve.gone"
 
 
 class RequestIds:

@@ -16,7 +16,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
-from fusedserve.service.middleware import ANSWERED, CLIENT_GONE
+from fusedserve.service.middleware import ANSWERED, CLIENT_GONE, GONE
 
 log = logging.getLogger("fusedserve")
 LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, so it gets the answer, not a reset
@@ -97,6 +97,8 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.scope[GONE] = self.loop.create_future()  # before the app's task first runs
         self._disarm()
         self._reading_head = False
         if self._close_after_answer:
@@ -124,6 +126,9 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle.scope[CLIENT_GONE] = True  # the access log says 499, not the status the app meant to send
             cycle.disconnected = True
             cycle.message_event.set()
+            gone = cycle.scope.get(GONE)
+            if gone is not None and not gone.done():
+                gone.set_result(None)
 
     def shutdown(self) -> None:
         """Server shutdown: close an idle connection now; one whose request is being read or answered
