@@ -80,8 +80,7 @@ async def test_a_failed_batch_answers_every_request_over_the_wire(engines):
 @pytest.mark.parametrize("engines", [False], indirect=True)
 async def test_a_withdrawn_request_leaves_the_engine_queue(engines):
     remote, runner, batcher = engines
-    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
-    await asyncio.to_thread(runner.started.wait, 5)  # the model is busy with the first request
+    first = await _hold_the_model(remote, runner)  # the model is busy with the first request
     leave = asyncio.get_running_loop().create_future()
     second = asyncio.create_task(remote.infer("m", ROW, 10.0, abandon=leave))
     for _ in range(200):
@@ -101,8 +100,7 @@ async def test_a_withdrawn_request_leaves_the_engine_queue(engines):
 @pytest.mark.parametrize("engines", [False], indirect=True)
 async def test_a_front_end_that_leaves_takes_its_queued_requests(engines):
     remote, runner, batcher = engines
-    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
-    await asyncio.to_thread(runner.started.wait, 5)
+    first = await _hold_the_model(remote, runner)
     second = asyncio.create_task(remote.infer("m", ROW, 10.0))
     await _queue_fills(batcher)
     await remote.close()  # the front end's process is gone: nobody is left to answer
@@ -115,8 +113,7 @@ async def test_a_front_end_that_leaves_takes_its_queued_requests(engines):
 async def test_the_engine_answers_a_queued_requests_deadline(engines, monkeypatch):
     remote, runner, batcher = engines
     monkeypatch.setattr(remote_module, "DEADLINE_SLACK_S", 30.0)  # the front end's own timer stays out of it
-    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
-    await asyncio.to_thread(runner.started.wait, 5)
+    first = await _hold_the_model(remote, runner)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(DeadlineExceeded, match="within 200 ms"):
@@ -130,8 +127,7 @@ async def test_the_engine_answers_a_queued_requests_deadline(engines, monkeypatc
 @pytest.mark.parametrize("engines", [False], indirect=True)
 async def test_requests_of_one_turn_queue_as_one_group_and_get_their_own_rows(engines):
     remote, runner, batcher = engines
-    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
-    await asyncio.to_thread(runner.started.wait, 5)
+    first = await _hold_the_model(remote, runner)
     rows = [np.array([[i, -i, 0.5]], dtype=np.float32) for i in range(1, 4)]
     leave = asyncio.get_running_loop().create_future()
     calls = [asyncio.create_task(remote.infer("m", x, 10.0, abandon=leave if i == 1 else None))
@@ -151,8 +147,7 @@ async def test_requests_of_one_turn_queue_as_one_group_and_get_their_own_rows(en
 @pytest.mark.parametrize("engines", [False], indirect=True)
 async def test_a_group_whose_requests_all_leave_leaves_the_queue(engines):
     remote, runner, batcher = engines
-    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
-    await asyncio.to_thread(runner.started.wait, 5)
+    first = await _hold_the_model(remote, runner)
     leave = asyncio.get_running_loop().create_future()
     calls = [asyncio.create_task(remote.infer("m", ROW, 10.0, abandon=leave)) for _ in range(3)]
     await _queue_fills(batcher)
@@ -172,6 +167,13 @@ async def test_a_group_never_outgrows_a_batch(engines):
     outs = await asyncio.wait_for(asyncio.gather(*(remote.infer("m", x, 10.0) for x in rows)), 10)
     for out, x in zip(outs, rows):
         np.testing.assert_array_equal(out, x[:, :2])
+
+
+async def _hold_the_model(remote, runner) -> asyncio.Task:
+    """A first request, its batch held in the runner until ``runner.gate`` is set."""
+    first = asyncio.create_task(remote.infer("m", ROW, 10.0))
+    await asyncio.to_thread(runner.started.wait, 5)
+    return first
 
 
 async def _queue_fills(batcher) -> None:
