@@ -29,10 +29,11 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """Computes batches of one model, one batch at a time, and times every layer launch.
 
-    ``run(x)`` takes ``[M, in_features]`` float32 on the CPU, pads it to the smallest bucket
-    (``batch_buckets``) in a preallocated device buffer, computes and returns ``[M, out_features]``
-    float32 on the CPU. Rows are independent, so padded rows (whatever an earlier batch left
-    there) never change real rows; they are computed and dropped.
+    ``run(x)`` takes ``[M, in_features]`` float32 on the CPU and returns ``[M, out_features]`` float32
+    on the CPU. On CUDA it pads ``x`` to the smallest bucket (``batch_buckets``) in a preallocated
+    device buffer; rows are independent, so padded rows (whatever an earlier batch left there) never
+    change real rows; they are computed and dropped. On the CPU the rows run unpadded, on the
+    bucket's path and threads.
 
     ``warmup()`` warms every bucket. A bucket whose kernels the tune cache already holds: each
     candidate path runs once, then on CUDA one CUDA graph per path is captured and the faster path
@@ -172,9 +173,10 @@ class ModelRunner:
             self._emit(self._pending.ready())
         if bucket not in self._chosen:
             self._warm_any(bucket)
+        if self.device.type != "cuda":
+            return self._run_on_cpu(x, rows, bucket)
         self._staging.copy_in(x, rows)
-        each_batch = self.device.type == "cuda" and bucket not in self._graphs.plain
-        timed = self.timing_sink is not None and self._sampler.due(bucket, each_batch)
+        timed = self.timing_sink is not None and self._sampler.due(bucket, bucket not in self._graphs.plain)
         marks = None
         if timed and bucket in self._graphs.timed:
             graph, out, marks = self._graphs.timed[bucket]
@@ -184,7 +186,6 @@ class ModelRunner:
             graph.replay()
         else:  # eager launches, each layer timed when ``timed``
             path = self._chosen[bucket]
-            self._threads.use(bucket)
             with torch.no_grad():
                 out = self._forward(bucket, path, self._clock.hook(path, rows, bucket) if timed else None)
         result = self._staging.copy_out(out, rows)  # synchronizes on CUDA
@@ -193,6 +194,16 @@ class ModelRunner:
             self._emit([self._records.timing(path, i, rows, bucket, marks[i].elapsed_time(marks[i + 1]) / 1e3)
                         for i in range(len(marks) - 1)])  # elapsed_time is in ms
         return result
+
+    def _run_on_cpu(self, x: torch.Tensor, rows: int, bucket: int) -> torch.Tensor:
+        """The rows as they came, unpadded: no graph needs a fixed shape on the CPU, and staging
+        copies cost a digits batch more than a tenth of its time. ``bucket`` picks the path and threads."""
+        path = self._chosen[bucket]
+        self._threads.use(bucket)
+        timed = self.timing_sink is not None and self._sampler.due(bucket, False)
+        with torch.no_grad():
+            out = self._paths[path].forward(x, self._clock.hook(path, rows, bucket) if timed else None)
+        return out.float()
 
     def path(self, bucket: int) -> str | None:
         """The path ("fused" or "layers") that ``bucket`` runs; None until the bucket is warmed."""
