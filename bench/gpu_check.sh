@@ -21,7 +21,8 @@
 #   20 s; the live page's JSON saved to dashboard_<gpu>.json (bench/dashboard_shot.py replay draws it).
 # load-workers: issue 22's run: 8 front ends (LOAD_WORKERS="8 12": each count, the first is ours)
 #   against naive FastAPI under uvicorn --workers 12, 64 and 256 clients, digits and the 4x2048 bf16
-#   model (LOAD_MODELS), py-spy by process at 256 clients of PROFILE_MODEL (digits).
+#   model (LOAD_MODELS), py-spy by process at 256 clients of PROFILE_MODEL (digits); LOAD_PROTOCOL=v2-binary
+#   sends KServe v2 binary tensors instead of JSON /infer (fusedserve only).
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_<gpu>_$KERNELS_TAG.json.
@@ -60,8 +61,10 @@ stage() {  # stage NAME SECONDS CMD...: run one stage, log it, never stop the ot
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
 }
 
-load_workers() {  # issue 22's run: fusedserve with each of $LOAD_WORKERS front ends (the first is "ours")
-    local w names=() servers=() workers=${LOAD_WORKERS:-8}
+load_workers() {  # issue 22's run: fusedserve with each of $LOAD_WORKERS front ends (the first is "ours");
+    # LOAD_PROTOCOL=v2-binary drives KServe v2 binary tensors (the naive peer speaks only JSON: skipped)
+    local w names=() servers=() workers=${LOAD_WORKERS:-8} protocol=${LOAD_PROTOCOL:-json} tag=""
+    [ "$protocol" = json ] || tag="_$protocol"
     for w in $workers; do
         names+=("fusedserve_w$w")
         servers+=(--server "fusedserve_w$w={python} -m fusedserve serve --port {port} --device {device} \
@@ -69,7 +72,8 @@ load_workers() {  # issue 22's run: fusedserve with each of $LOAD_WORKERS front 
     done
     stage load-workers 560 python3 bench/load.py --device cuda --models ${LOAD_MODELS:-digits wide} --clients 64 256 \
         --rounds 2 --duration 3 --servers "${names[@]}" naive_fastapi_12w --ours "${names[0]}" "${servers[@]}" \
-        --profile --profile-clients 256 --profile-model "${PROFILE_MODEL:-digits}" --ready-timeout 110 --out "$out/load_${gpu}_workers${workers// /_}.json"
+        --profile --profile-clients 256 --profile-model "${PROFILE_MODEL:-digits}" --ready-timeout 110 \
+        --protocol "$protocol" --out "$out/load_${gpu}_workers${workers// /_}$tag.json"
 }
 
 serve_bg() {  # serve_bg PORT LOG ARGS...: `fusedserve serve` in the background (its PID in server_pid);

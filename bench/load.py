@@ -10,6 +10,8 @@ comes from several processes (bench/loadgen.py), each run bounded by --duration 
 Per run: req/s, p50/p90/p99, errors by status, CPU time per request of the server's whole process
 tree (and of the load generator, the idle servers and the machine, which share the cores).
 ``--profile`` samples fusedserve with py-spy under 64 clients and times one request's stages.
+``--protocol v2-binary`` sends KServe v2 infer requests with binary tensors (tritonclient.http's
+default form) instead of JSON ``/infer``: a wide row's cost without JSON, on the servers that speak v2.
 Writes ``bench/results/load_<host>.json`` and a latency-throughput plot beside it.
 
     python bench/load.py --device cpu --clients 1 16 64 --profile   # the 2-core box, ~8 min
@@ -30,6 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--servers", nargs="+", help="only these servers (default: all; LitServe where installed)")
     p.add_argument("--ours", default="fusedserve", help="the server the targets and ratios are about")
     p.add_argument("--rows", type=int, default=1, help="rows per request")
+    p.add_argument("--protocol", default="json", choices=list(PROTOCOLS),
+                   help="json: POST /infer; v2-binary: KServe v2 infer with binary tensors both ways, as "
+                        "tritonclient.http sends them (only servers that speak it)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 2 s (cpu 1 64, cuda 1 64 256), within --budget-s")
     p.add_argument("--budget-s", type=float, help="start no run after this many seconds of runs (--quick: 150)")
     p.add_argument("--profile", action="store_true", help="py-spy on --ours under load (by process), and a request's stages")
@@ -93,12 +99,42 @@ def write_repository(root: Path, device: str) -> Path:
     return root
 
 
-def request_bodies(model: str, width: int, rows: int) -> list[bytes]:
-    """64 seeded request bodies; the clients send them in turn."""
+@dataclass(frozen=True)
+class Traffic:
+    """What the clients send to one model: 64 seeded bodies in turn, to ``path`` (None: the server's
+    own JSON route) with ``headers``."""
+
+    bodies: list[bytes]
+    path: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def path_of(self, spec) -> str:
+        return self.path or spec.infer_path
+
+
+def _json_traffic(model: str, rows: list[np.ndarray]) -> Traffic:
+    return Traffic([json.dumps({"model": model, "inputs": x.tolist()}).encode() for x in rows])
+
+
+def _v2_binary_traffic(model: str, rows: list[np.ndarray]) -> Traffic:
+    """KServe v2 infer, the input as raw float32 after a JSON header and the output asked for as raw
+    bytes too (the binary-tensor extension, tritonclient.http's default)."""
+    shape = list(rows[0].shape)
+    head = json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 4 * rows[0].size}}],
+                       "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+    return Traffic([head + x.astype("<f4").tobytes() for x in rows], f"/v2/models/{model}/infer",
+                   (("Content-Type", "application/octet-stream"), ("Inference-Header-Content-Length", str(len(head)))))
+
+
+PROTOCOLS = {"json": _json_traffic, "v2-binary": _v2_binary_traffic}
+
+
+def request_traffic(model: str, width: int, rows: int, protocol: str = "json") -> Traffic:
+    """64 seeded requests of ``rows`` rows each; the clients send them in turn."""
     rng = np.random.default_rng(0)
     low, high = (0.0, 16.0) if model == "digits" else (-1.0, 1.0)  # digits takes raw 0..16 pixel values
-    return [json.dumps({"model": model, "inputs": rng.uniform(low, high, size=(rows, width)).round(3).tolist()}).encode()
-            for _ in range(64)]
+    return PROTOCOLS[protocol](model, [rng.uniform(low, high, size=(rows, width)).round(3) for _ in range(64)])
 
 
 def post(url: str, body: bytes) -> dict:
@@ -134,13 +170,14 @@ def busy_fraction(seconds: float) -> float:
     return round(1 - (ticks[3] + ticks[4]) / max(ticks.sum(), 1), 3)
 
 
-def measure(pool: LoadPool, servers: dict, name: str, bodies: list[bytes], clients: int, args) -> dict:
+def measure(pool: LoadPool, servers: dict, name: str, traffic: Traffic, clients: int, args) -> dict:
     """One run against ``name``. CPU seconds of its process tree, of the other (idle) servers, of the
     load generator, and of the rest of the machine (``foreign_cpu_s``: anything else that ran)."""
     s = servers[name]
     s.resume()
     procs0, machine0, own0 = read_procs(), cpu_times(), time.process_time()
-    run = pool.run(s.port, s.spec.infer_path, bodies, clients, args.duration, args.max_requests)
+    run = pool.run(s.port, traffic.path_of(s.spec), traffic.bodies, clients, args.duration, args.max_requests,
+                   headers=traffic.headers)
     procs1, machine1, own1 = read_procs(), cpu_times(), time.process_time()
     s.pause()
     mine = s.cpu_seconds(procs1) - s.cpu_seconds(procs0)
@@ -158,7 +195,7 @@ def measure(pool: LoadPool, servers: dict, name: str, bodies: list[bytes], clien
     return run
 
 
-def rounds(pool: LoadPool, servers: dict, bodies: dict, args, started: float) -> tuple[list[dict], bool]:
+def rounds(pool: LoadPool, servers: dict, traffic: dict, args, started: float) -> tuple[list[dict], bool]:
     """Every round: each model x client count x server, the order of servers reversed every other round.
     Returns the runs and whether --budget-s cut them short."""
     runs, names = [], list(servers)
@@ -168,7 +205,7 @@ def rounds(pool: LoadPool, servers: dict, bodies: dict, args, started: float) ->
                 for name in names if r % 2 == 0 else names[::-1]:
                     if args.budget_s is not None and time.monotonic() - started > args.budget_s:
                         return runs, True
-                    run = measure(pool, servers, name, bodies[model], clients, args)
+                    run = measure(pool, servers, name, traffic[model], clients, args)
                     run.update(round=r, model=model, clients=clients, server=name)
                     runs.append(run)
                     print(f"round {r} {model:6s} {clients:4d} clients {name:20s} {run['rps']:9.0f} req/s "
@@ -177,7 +214,7 @@ def rounds(pool: LoadPool, servers: dict, bodies: dict, args, started: float) ->
     return runs, False
 
 
-def profile(pool: LoadPool, servers: dict, bodies: dict, args) -> dict:
+def profile(pool: LoadPool, servers: dict, traffic: dict, args) -> dict:
     """Our server under 1 and 64 digits clients (untimed runs): CPU by thread, and py-spy's samples
     where it is installed (the stacks are kept beside the JSON, for a flame graph)."""
     if args.ours not in servers:
@@ -192,8 +229,9 @@ def profile(pool: LoadPool, servers: dict, bodies: dict, args) -> dict:
             time.sleep(0.5)  # py-spy attaches
         pids = s.pids()
         before = load_profile.thread_ticks(pids)
-        run = pool.run(s.port, s.spec.infer_path, bodies[args.profile_model], clients, seconds, args.max_requests,
-                       lead_s=0.2)
+        load = traffic[args.profile_model]
+        run = pool.run(s.port, load.path_of(s.spec), load.bodies, clients, seconds, args.max_requests, lead_s=0.2,
+                       headers=load.headers)
         split = load_profile.thread_split(before, load_profile.thread_ticks(pids), s.proc.pid)
         found[clients] = {"rps": run["rps"], "cpu_ms_per_request_by_thread": {
             k: round(v * 1e3 / max(run["requests"], 1), 4) for k, v in split.items()}}
@@ -220,6 +258,8 @@ def specs(args) -> tuple[dict, dict]:
         all_specs[spec.name] = spec
     chosen = {n: s for n, s in all_specs.items() if args.servers is None or n in args.servers}
     skipped = {n: f"{s.needs} does not import" for n, s in chosen.items() if not available(s)}
+    skipped.update({n: f"speaks no {args.protocol}" for n, s in chosen.items()
+                    if n not in skipped and args.protocol not in s.protocols})
     return {n: s for n, s in chosen.items() if n not in skipped}, skipped
 
 
@@ -271,20 +311,23 @@ def benchmark(args, work: Path, started: float) -> dict:
         print(f"warning: the CPUs are {quiet:.0%} busy before the benchmark starts", flush=True)
     repo = write_repository(work / "repo", args.device)
     widths = {"digits": 64, "wide": WIDE}
-    bodies = {m: request_bodies(m, widths[m], args.rows) for m in {*args.models, "digits", args.profile_model}}
+    traffic = {m: request_traffic(m, widths[m], args.rows, args.protocol) for m in {*args.models, args.profile_model}}
     servers = start(chosen, args, repo, work)
     try:
         print(f"{len(servers)} servers ready after {time.monotonic() - started:.0f} s: {', '.join(servers)}", flush=True)
-        agree = check_answers(servers, bodies["digits"][:4], args.ours if args.ours in servers else next(iter(servers)))
+        agree = check_answers(servers, request_traffic("digits", 64, 1).bodies[:4],
+                              args.ours if args.ours in servers else next(iter(servers)))
         with LoadPool(args.procs) as pool:
             for s in servers.values():  # untimed: first traffic (page faults, lazy set-up) skews no run
                 for model in args.models:
-                    pool.run(s.port, s.spec.infer_path, bodies[model], max(args.clients), 1.0, args.max_requests)
+                    load = traffic[model]
+                    pool.run(s.port, load.path_of(s.spec), load.bodies, max(args.clients), 1.0, args.max_requests,
+                             headers=load.headers)
                 s.pause()
             t0 = time.monotonic()
-            runs, cut = rounds(pool, servers, bodies, args, t0)
+            runs, cut = rounds(pool, servers, traffic, args, t0)
             runs_s = time.monotonic() - t0
-            prof = profile(pool, servers, bodies, args) if args.profile else None
+            prof = profile(pool, servers, traffic, args) if args.profile else None
         argv = {n: s.argv for n, s in servers.items()}
     finally:
         stop(servers)
@@ -310,7 +353,7 @@ def main(argv=None) -> None:
     naive_one, naive_many = "naive_fastapi_1w", f"naive_fastapi_{args.naive_workers}w"
     p50s = [r["p50_ms"] for r in result["runs"] if (r["model"], r["clients"], r["server"]) == ("digits", 1, args.ours)]
     if args.profile and args.ours == "fusedserve":  # in this process: after the servers, on quiet cores
-        digits = request_bodies("digits", 64, 1)[0]
+        digits = request_traffic("digits", 64, 1).bodies[0]
         result["profile"]["stages_us"] = load_profile.stages(args.device, digits, np.median(p50s) if p50s else None,
                                                              reps=1000)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -321,7 +364,8 @@ def main(argv=None) -> None:
               "targets": load_report.evaluate(summary, args.device, args.ours, naive_one, naive_many), **result}
     args.out.write_text(portable(json.dumps(report, indent=1)) + "\n")
     png = args.out.with_suffix(".png")
-    title = f"/infer, 1 row/request, {args.device} on {report['machine']['host']} ({report['machine']['cores']} cores)"
+    route = "/infer" if args.protocol == "json" else "KServe v2 infer, binary tensors"
+    title = f"{route}, {args.rows} row(s)/request, {args.device} on {report['machine']['host']} ({report['machine']['cores']} cores)"
     plotted = load_report.plot(summary, png, title)
     print("\n".join(load_report.format_targets(report["targets"])))
     print(f"wrote {args.out}" + (f" and {png}" if plotted else " (no plot: matplotlib is missing)"))

@@ -35,6 +35,7 @@ class Shard:
     start_at: float  # time.monotonic() at which every process starts sending
     duration_s: float
     max_requests: int  # this process's share of the run's request cap
+    headers: tuple[tuple[str, str], ...] = ()  # besides Host and Content-Length; JSON's Content-Type unless named
 
 
 @dataclass
@@ -55,17 +56,19 @@ def split(total: int, parts: int) -> list[int]:
 
 
 def plan_shards(port: int, path: str, bodies: list[bytes], clients: int, procs: int, start_at: float,
-                duration_s: float, max_requests: int) -> list[Shard]:
+                duration_s: float, max_requests: int, headers: tuple = ()) -> list[Shard]:
     """Clients over at most ``procs`` processes (none gets zero), the request cap pro rata."""
     counts = [c for c in split(clients, min(procs, clients)) if c]
-    return [Shard(port, path, tuple(bodies), c, start_at, duration_s, math.ceil(max_requests * c / clients))
-            for c in counts]
+    return [Shard(port, path, tuple(bodies), c, start_at, duration_s, math.ceil(max_requests * c / clients),
+                  tuple(headers)) for c in counts]
 
 
-def build_request(port: int, path: str, body: bytes) -> bytes:
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")
-    return head.encode() + body
+def build_request(port: int, path: str, body: bytes, headers: tuple = ()) -> bytes:
+    named = {name.lower() for name, _ in headers}
+    lines = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{port}",
+             *([] if "content-type" in named else ["Content-Type: application/json"]),
+             *(f"{name}: {value}" for name, value in headers), f"Content-Length: {len(body)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
 def parse_head(head: bytes) -> tuple[int, int | None, bool]:
@@ -139,7 +142,7 @@ async def _client(shard: Shard, requests: list[bytes], offset: int, tally: Tally
 
 async def drive(shard: Shard) -> Tally:
     """Runs one shard's clients in this process; they all start sending at ``shard.start_at``."""
-    requests = [build_request(shard.port, shard.path, b) for b in shard.bodies]
+    requests = [build_request(shard.port, shard.path, b, shard.headers) for b in shard.bodies]
     tally, start = Tally(), asyncio.Event()
     tasks = [asyncio.create_task(_client(shard, requests, k, tally, start)) for k in range(shard.clients)]
     await asyncio.sleep(max(shard.start_at - time.monotonic(), 0.0))
@@ -204,10 +207,10 @@ class LoadPool:
         list(self._pool.map(time.sleep, [0.0] * procs))  # start them all now, not in the first run
 
     def run(self, port: int, path: str, bodies: list[bytes], clients: int, duration_s: float,
-            max_requests: int, lead_s: float = 0.5) -> dict:
+            max_requests: int, lead_s: float = 0.5, headers: tuple = ()) -> dict:
         """One run: ``clients`` over the processes, sending from ``lead_s`` from now for ``duration_s``."""
         start_at = time.monotonic() + lead_s  # time for every process to connect its clients
-        shards = plan_shards(port, path, bodies, clients, self.procs, start_at, duration_s, max_requests)
+        shards = plan_shards(port, path, bodies, clients, self.procs, start_at, duration_s, max_requests, headers)
         return merge(list(self._pool.map(run_shard, shards)), duration_s)
 
     def close(self) -> None:

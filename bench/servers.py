@@ -31,6 +31,7 @@ class ServerSpec:
     infer_path: str = "/infer"
     env: dict = field(default_factory=dict)
     needs: str | None = None  # a module that must be importable, else the server is skipped
+    protocols: tuple[str, ...] = ("json", "v2-binary")  # the load's request forms it answers (bench/load.py)
     # Frozen (SIGSTOP) between its own runs: for a server whose idle loops poll, so that it takes no
     # CPU from the one being measured (LitServe idles at ~0.14 of a core on the 2-core box).
     pause_when_idle: bool = False
@@ -53,13 +54,13 @@ def naive_spec(workers: int) -> ServerSpec:
                       ("{python}", "-m", "uvicorn", "--factory", "naive_fastapi:create_app", "--app-dir",
                        "bench/peers", "--host", "127.0.0.1", "--port", "{port}", "--workers", str(workers),
                        "--log-level", "warning", "--no-access-log"),
-                      env={"NAIVE_REPOSITORY": "{repo}", "NAIVE_DEVICE": "{device}"})
+                      env={"NAIVE_REPOSITORY": "{repo}", "NAIVE_DEVICE": "{device}"}, protocols=("json",))
 
 
 def litserve_spec() -> ServerSpec:
     return ServerSpec("litserve", ("{python}", "bench/peers/litserve_app.py", "--port", "{port}", "--device",
                                    "{device}", "--repository", "{repo}"), ready_path="/health", needs="litserve",
-                      pause_when_idle=True)
+                      pause_when_idle=True, protocols=("json",))
 
 
 def default_servers(naive_workers: int, fusedserve_flags: list[str]) -> dict[str, ServerSpec]:

@@ -4,6 +4,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.load import main
@@ -30,3 +31,28 @@ def test_a_short_run_alternates_the_servers_and_leaves_none_running(tmp_path):
     left = [p for p in tree(os.getpid(), read_procs()) if p != os.getpid()
             and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert left == []
+
+
+@pytest.mark.slow
+def test_v2_binary_traffic_is_answered_and_peers_without_v2_are_skipped(tmp_path):
+    out = tmp_path / "load_v2.json"
+    main(["--servers", "fusedserve", "naive_fastapi_1w", "--models", "digits", "--clients", "2", "--rounds", "1",
+          "--duration", "0.3", "--procs", "2", "--protocol", "v2-binary", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["skipped"] == {"naive_fastapi_1w": "speaks no v2-binary"}
+    (run,) = report["runs"]
+    # Every request answered 200: the server took the binary header, input and output request as sent.
+    assert run["server"] == "fusedserve" and run["requests"] > 0 and run["errors"] == 0
+
+
+def test_v2_binary_bodies_hold_the_same_rows_as_the_json_ones():
+    from bench.load import request_traffic
+
+    as_json, as_v2 = request_traffic("wide", 24, 3), request_traffic("wide", 24, 3, "v2-binary")
+    length = int(dict(as_v2.headers)["Inference-Header-Content-Length"])
+    assert as_v2.path == "/v2/models/wide/infer" and len(as_v2.bodies) == len(as_json.bodies)
+    for text, blob in zip(as_json.bodies, as_v2.bodies):
+        head = json.loads(blob[:length])
+        assert head["inputs"][0]["shape"] == [3, 24] and head["outputs"][0]["parameters"] == {"binary_data": True}
+        rows = np.frombuffer(blob[length:], dtype="<f4").reshape(3, 24)
+        assert np.array_equal(rows, np.array(json.loads(text)["inputs"], dtype=np.float32))
