@@ -119,15 +119,23 @@ def _json_traffic(model: str, rows: list[np.ndarray]) -> Traffic:
 def _v2_binary_traffic(model: str, rows: list[np.ndarray]) -> Traffic:
     """KServe v2 infer, the input as raw float32 after a JSON header and the output asked for as raw
     bytes too (the binary-tensor extension, tritonclient.http's default)."""
+    from fusedserve.service.tensors import INPUT, OUTPUT
+
     shape = list(rows[0].shape)
-    head = json.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
+    head = json.dumps({"inputs": [{"name": INPUT, "shape": shape, "datatype": "FP32",
                                    "parameters": {"binary_data_size": 4 * rows[0].size}}],
-                       "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+                       "outputs": [{"name": OUTPUT, "parameters": {"binary_data": True}}]}).encode()
     return Traffic([head + x.astype("<f4").tobytes() for x in rows], f"/v2/models/{model}/infer",
                    (("Content-Type", "application/octet-stream"), ("Inference-Header-Content-Length", str(len(head)))))
 
 
 PROTOCOLS = {"json": _json_traffic, "v2-binary": _v2_binary_traffic}
+
+
+def send(pool: LoadPool, server, traffic: Traffic, clients: int, seconds: float, max_requests: int, **kw) -> dict:
+    """One load run of ``traffic`` against ``server`` (a ServerProcess)."""
+    return pool.run(server.port, traffic.path_of(server.spec), traffic.bodies, clients, seconds, max_requests,
+                    headers=traffic.headers, **kw)
 
 
 def request_traffic(model: str, width: int, rows: int, protocol: str = "json") -> Traffic:
@@ -176,8 +184,7 @@ def measure(pool: LoadPool, servers: dict, name: str, traffic: Traffic, clients:
     s = servers[name]
     s.resume()
     procs0, machine0, own0 = read_procs(), cpu_times(), time.process_time()
-    run = pool.run(s.port, traffic.path_of(s.spec), traffic.bodies, clients, args.duration, args.max_requests,
-                   headers=traffic.headers)
+    run = send(pool, s, traffic, clients, args.duration, args.max_requests)
     procs1, machine1, own1 = read_procs(), cpu_times(), time.process_time()
     s.pause()
     mine = s.cpu_seconds(procs1) - s.cpu_seconds(procs0)
@@ -229,9 +236,7 @@ def profile(pool: LoadPool, servers: dict, traffic: dict, args) -> dict:
             time.sleep(0.5)  # py-spy attaches
         pids = s.pids()
         before = load_profile.thread_ticks(pids)
-        load = traffic[args.profile_model]
-        run = pool.run(s.port, load.path_of(s.spec), load.bodies, clients, seconds, args.max_requests, lead_s=0.2,
-                       headers=load.headers)
+        run = send(pool, s, traffic[args.profile_model], clients, seconds, args.max_requests, lead_s=0.2)
         split = load_profile.thread_split(before, load_profile.thread_ticks(pids), s.proc.pid)
         found[clients] = {"rps": run["rps"], "cpu_ms_per_request_by_thread": {
             k: round(v * 1e3 / max(run["requests"], 1), 4) for k, v in split.items()}}
@@ -320,9 +325,7 @@ def benchmark(args, work: Path, started: float) -> dict:
         with LoadPool(args.procs) as pool:
             for s in servers.values():  # untimed: first traffic (page faults, lazy set-up) skews no run
                 for model in args.models:
-                    load = traffic[model]
-                    pool.run(s.port, load.path_of(s.spec), load.bodies, max(args.clients), 1.0, args.max_requests,
-                             headers=load.headers)
+                    send(pool, s, traffic[model], max(args.clients), 1.0, args.max_requests)
                 s.pause()
             t0 = time.monotonic()
             runs, cut = rounds(pool, servers, traffic, args, t0)
