@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fusedserve.service.engine import Engine
 from fusedserve.service.errors import BadInput
 from fusedserve.service.inference import infer
-from fusedserve.service.inputs import dump_json, parse_json, read_body, rows_from_json
+from fusedserve.service.inputs import check_rows, dump_json, parse_json, read_body, rows_from_json, simd_rows
 from fusedserve.service.state import ModelInfo, ServiceState, get_state
 
 router = APIRouter(tags=["inference"])
@@ -33,7 +33,11 @@ async def infer_route(request: Request, state: Annotated[ServiceState, Depends(g
 
 
 def parse(engine: Engine, raw: bytes) -> tuple[ModelInfo, object]:
-    """The model a ``/infer`` body names and its "inputs", or BadInput/UnknownModel/NotReady."""
+    """The model a ``/infer`` body names and its "inputs" (float64 rows when they are well formed, else
+    as parsed), or BadInput/UnknownModel/NotReady."""
+    fast = simd_rows(raw, "inputs")
+    if fast is not None and (fast[0] is None or isinstance(fast[0], str)):
+        return engine.model(fast[0]), fast[1]
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise BadInput('body must be a JSON object like {"model": "digits", "inputs": [[...], ...]}')
@@ -47,6 +51,8 @@ def parse(engine: Engine, raw: bytes) -> tuple[ModelInfo, object]:
 
 def rows(state: ServiceState, info: ModelInfo, inputs, raw: bytes) -> np.ndarray:
     """The "inputs" (parsed from body ``raw``) as float32 rows of ``info``'s width, or BadInput."""
+    if isinstance(inputs, np.ndarray):
+        return check_rows(inputs, "inputs", info.in_features, state.settings.rows_per_request)
     return rows_from_json(inputs, "inputs", info.in_features, state.settings.rows_per_request, raw)
 
 
