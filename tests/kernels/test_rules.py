@@ -12,10 +12,15 @@ def test_a_bucket_is_the_next_power_of_two_capped(rows, cap, want):
     assert bucket(rows, cap) == want
 
 
-@pytest.mark.parametrize("M,want", [(1, 1), (2, 2), (3, 4), (17, 32), (64, 64), (65, 128), (4096, 4096),
-                                    (4097, 4096), (100000, 4096)])
-def test_tuning_keys_bucket_m_up_to_the_cap(M, want):
+@pytest.mark.parametrize("M,want", [(1, 1), (2, 2), (3, 4), (17, 32), (64, 64), (65, 128), (128, 128),
+                                    (129, 160), (214, 224), (256, 256), (257, 320), (275, 320), (1637, 1792),
+                                    (3073, 3584), (4096, 4096), (4097, 4096), (100000, 4096)])
+def test_tuning_keys_bucket_m_finer_past_128_up_to_the_cap(M, want):
     assert m_bucket(M) == want
+
+
+def test_every_power_of_two_runner_bucket_is_tuned_at_its_own_size():
+    assert all(m_bucket(b) == b for b in batch_buckets(4096))
 
 
 @pytest.mark.parametrize("bad", [0, -3])
