@@ -64,6 +64,14 @@ def parse_json(body: bytes) -> object:
             raise BadInput("request body is nested too deeply") from None
 
 
+def _count_open_brackets(raw: bytes) -> int:
+    # bytes.count takes ~11 us over a 40 kB body (a 2048-wide row) where numpy takes ~3; below ~4 kB
+    # bytes.count is the quicker (2-core dev box).
+    if len(raw) < 4096:
+        return raw.count(b"[")
+    return int(np.count_nonzero(np.frombuffer(raw, dtype=np.uint8) == ord("[")))
+
+
 def simd_rows(raw: bytes, field: str) -> tuple[object, np.ndarray] | None:
     """``(body.get("model"), rows as float64 [n, width])`` when ``raw`` is a JSON object whose ``field``
     is a non-empty list of equal-length lists of numbers; None for any other body (the checked path
@@ -76,7 +84,7 @@ def simd_rows(raw: bytes, field: str) -> tuple[object, np.ndarray] | None:
         # One "[" for the list and one per row: no list nested deeper anywhere (a "[" in a string only
         # sends the body the checked way), so the flat buffer below holds exactly the rows' values.
         width = len(rows[0])
-        if raw.count(b"[") != len(rows) + 1 or any(len(row) != width for row in rows):
+        if _count_open_brackets(raw) != len(rows) + 1 or any(len(row) != width for row in rows):
             return None
         flat = np.frombuffer(rows.as_buffer(of_type="d"), dtype=np.float64)  # TypeError on a non-number
         if flat.size != len(rows) * width:

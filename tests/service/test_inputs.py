@@ -51,6 +51,8 @@ DECLINED = {  # bodies the fast path must leave to the checked one: name -> body
     "ragged": b'{"inputs": [[1, 2], [3]]}',
     "nested deeper": b'{"inputs": [[[1, 2]], [[3, 4]]]}',
     "nested empty list": b'{"inputs": [[[1, 2], []], [3, 4]]}',
+    "nested empty list in a long body": b'{"inputs": [[[1, 2], [], ' + b"1, " * 2999 + b"1], [" + b"1, " * 3001
+                                        + b"1]]}",
     "a boolean": b'{"inputs": [[1, true]]}',
     "a null": b'{"inputs": [[1, null]]}',
     "a string": b'{"inputs": [[1, "2"]]}',
