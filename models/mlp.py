@@ -22,6 +22,18 @@ BACKENDS = ("triton", "torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def normalize_rows(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(x - shift) * scale`` in float32, in ``dtype``: x [M, in] raw values of any float dtype."""
+    x = x if x.dtype == torch.float32 else x.float()
+    y = (x - shift) * scale
+    return y if y.dtype == dtype else y.to(dtype)
+
+
+def reference_layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, act) -> torch.Tensor:
+    """The torch backend's layer, ``act(x @ weight^T + bias)`` (``act``: an ``ACTIVATIONS`` entry)."""
+    return act(F.linear(x, weight, bias))
+
+
 @dataclass(frozen=True)
 class MLPConfig:
     """Shape of an MLP: ``in -> hidden[0] -> ... -> hidden[-1] -> out``.
@@ -130,7 +142,7 @@ class FusedLinear(nn.Module):
             if choice is not None:  # (None: no kernel ran, M, N or K is 0)
                 self.choices[m_bucket(math.prod(x.shape[:-1]))] = choice
             return y
-        return ACTIVATIONS[self.activation](F.linear(x, self.weight, self.bias))
+        return reference_layer(x, self.weight, self.bias, ACTIVATIONS[self.activation])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -170,7 +182,7 @@ class MLP(nn.Module):
         # x: [M, in] raw values, any float dtype -> [M, in] normalized, in the model dtype
         if self._normalize_kernel is not None and x.dtype == torch.float32 and x.dim() == 2:
             return self._normalize_kernel(x, self.input_shift, self.input_scale, self.config.torch_dtype)
-        return ((x.float() - self.input_shift) * self.input_scale).to(self.config.torch_dtype)
+        return normalize_rows(x, self.input_shift, self.input_scale, self.config.torch_dtype)
 
     def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
         # hook(i), when given, is called before layer i and hook(len(layers)) after the last (timing).
