@@ -78,7 +78,9 @@ def simd_rows(raw: bytes, field: str) -> tuple[object, np.ndarray] | None:
     then decodes it and says what is wrong). Every value lands in one buffer, no Python float each."""
     try:
         body = simdjson.Parser().parse(raw)  # a parser per body: cheap, and no proxy outlives its parser
-        rows = body.get(field) if isinstance(body, simdjson.Object) else None
+        if not isinstance(body, simdjson.Object) or len(set(body.keys())) != len(body):
+            return None  # (a repeated key: simdjson reads the first, orjson the last; leave it to orjson)
+        rows = body.get(field)
         if not isinstance(rows, simdjson.Array) or not len(rows):
             return None
         # One "[" for the list and one per row: no list nested deeper anywhere (a "[" in a string only

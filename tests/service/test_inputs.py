@@ -65,6 +65,7 @@ DECLINED = {  # bodies the fast path must leave to the checked one: name -> body
     "too deep": b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}",
     "invalid UTF-8": b'{"model": "\xff", "inputs": [[1]]}',
     "another list": b'{"inputs": [[1, 2]], "tags": [1]}',
+    "a repeated key": b'{"model": "a", "model": "b", "inputs": [[1, 2]]}',
 }
 
 
