@@ -38,10 +38,11 @@ class Engine(Protocol):
         """The model to run (``None``: the only one); raises NotReady, UnknownModel or BadInput."""
 
     async def infer(self, model: str, rows: np.ndarray, timeout_s: float,
-                    abandon: asyncio.Future | None = None) -> np.ndarray:
+                    abandon: asyncio.Future | None = None, alone: bool = False) -> np.ndarray:
         """``rows`` (C-contiguous float32 ``[n, in_features]``, checked) to ``[n, out_features]``.
         Raises QueueFull, DeadlineExceeded after ``timeout_s``, ClientGone once ``abandon`` is done,
-        BatchFailed, NotReady; counts the request in the stats and metrics either way."""
+        BatchFailed, NotReady; counts the request in the stats and metrics either way. ``alone``: the
+        caller knows no other request can join this one's batch now (``Batcher.submit``)."""
 
     def record_error(self, model: str, outcome: str) -> None:
         """Count a request the front end refused or lost (``ServiceError.outcome``) in the metrics."""
@@ -87,11 +88,11 @@ class LocalEngine:
         return self._state.model(name)
 
     async def infer(self, model: str, rows: np.ndarray, timeout_s: float,
-                    abandon: asyncio.Future | None = None, origin: int = 0) -> np.ndarray:
+                    abandon: asyncio.Future | None = None, alone: bool = False, origin: int = 0) -> np.ndarray:
         state = self._state
         t0 = time.perf_counter()
         try:
-            out = await state.batchers[model].submit(rows, timeout_s, abandon=abandon, origin=origin)
+            out = await state.batchers[model].submit(rows, timeout_s, abandon=abandon, origin=origin, alone=alone)
         except (ServiceError, asyncio.CancelledError):  # cancelled: a gRPC client left or its deadline passed
             state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
             raise

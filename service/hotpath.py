@@ -11,7 +11,7 @@ import time
 from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.inference import TIMEOUT_HEADER, run_rows, timeout_s
 from fusedserve.service.inputs import dump_json, read_asgi_body
-from fusedserve.service.middleware import GONE, INTERNAL_ERROR, RequestIds, answer_headers, log_access
+from fusedserve.service.middleware import GONE, INTERNAL_ERROR, REQUESTS, RequestIds, answer_headers, log_access
 from fusedserve.service.routers import infer as infer_route
 from fusedserve.service.routers import v2
 from fusedserve.service.security import WANTED, Guard
@@ -62,7 +62,8 @@ class HotPath:
         raw = {name: value for name, value in scope["headers"] if name in _WANTED}
         refusal = self.guard.check("POST", scope["path"], raw, inference=True)
         if refusal is None:
-            status, body, media_type, extra = await self._answer(where, raw, receive, scope.get(GONE))
+            alone = len(scope.get(REQUESTS, ())) == 1
+            status, body, media_type, extra = await self._answer(where, raw, receive, scope.get(GONE), alone)
         else:
             status, message, extra = refusal
             body, media_type = dump_json({"error": message}), _JSON
@@ -74,9 +75,10 @@ class HotPath:
         log_access(scope, status, start, request_id)
         return True
 
-    async def _answer(self, where, headers: dict, receive, gone) -> tuple[int, bytes, bytes, dict]:
+    async def _answer(self, where, headers: dict, receive, gone, alone: bool) -> tuple[int, bytes, bytes, dict]:
         """``(status, body, media type, extra headers)``; a ServiceError answers as the framework's
-        handler would (its status, ``{"error": ...}``, counted in the metrics)."""
+        handler would (its status, ``{"error": ...}``, counted in the metrics). ``alone``: no other
+        request is in progress on this server (``run_rows``)."""
         state, engine, model = self.state, self.app.state.engine, ""
         try:
             kind, name, version = where
@@ -89,7 +91,8 @@ class HotPath:
                 x = infer_route.rows(state, info, inputs, raw)
             else:
                 req, x, binary = v2.decode(state, info, raw, _text(headers, _HEADER_LENGTH))
-            out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive, gone)
+            out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive, gone,
+                                 alone)
             if kind == "infer":
                 return 200, infer_route.encode(info, out), _JSON, {}
             body, media_type, extra = v2.encode(info, req, binary, out)

@@ -36,12 +36,13 @@ async def _disconnected(receive) -> None:
 
 
 async def run_rows(engine: Engine, model: str, x: np.ndarray, timeout: float, receive,
-                   gone: asyncio.Future | None = None) -> np.ndarray:
+                   gone: asyncio.Future | None = None, alone: bool = False) -> np.ndarray:
     """Outputs [rows, out] for ``x``; raises ServiceError subclasses. A request whose client leaves
     first is withdrawn: ``gone`` (the HTTP protocol's ``middleware.GONE``) says so, else a watch on
-    ``receive``, the request's ASGI receive."""
+    ``receive``, the request's ASGI receive. ``alone``: no other request is in progress on this
+    server (``middleware.REQUESTS``), so none can join its batch."""
     if gone is not None:
-        return await engine.infer(model, x, timeout, abandon=gone)
+        return await engine.infer(model, x, timeout, abandon=gone, alone=alone)
     watch = asyncio.ensure_future(_disconnected(receive))
     try:
         return await engine.infer(model, x, timeout, abandon=watch)

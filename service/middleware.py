@@ -17,6 +17,9 @@ ANSWERED = "fusedserve.answered"
 # A future the HTTP protocol completes when the request's client leaves before its answer: the rows'
 # routes withdraw the request on it (without it, a task per request watches ASGI receive).
 GONE = "fusedserve.gone"
+# The set of the server's requests in progress (uvicorn's tasks, each added as its head is read): a
+# request alone in it was the only one read this turn, and need not wait a turn for others to join.
+REQUESTS = "fusedserve.requests"
 
 
 class RequestIds:

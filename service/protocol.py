@@ -16,7 +16,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
-from fusedserve.service.middleware import ANSWERED, CLIENT_GONE, GONE
+from fusedserve.service.middleware import ANSWERED, CLIENT_GONE, GONE, REQUESTS
 
 log = logging.getLogger("fusedserve")
 LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, so it gets the answer, not a reset
@@ -99,6 +99,7 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.scope[GONE] = self.loop.create_future()  # before the app's task first runs
+            self.cycle.scope[REQUESTS] = self.tasks
         self._disarm()
         self._reading_head = False
         if self._close_after_answer:

@@ -158,7 +158,8 @@ class RemoteEngine(asyncio.Protocol):
         return pick_model(self._models, name, self.failed())
 
     async def infer(self, model: str, rows: np.ndarray, timeout_s: float,
-                    abandon: asyncio.Future | None = None) -> np.ndarray:
+                    abandon: asyncio.Future | None = None, alone: bool = False) -> np.ndarray:
+        # (``alone`` is not sent: the engine process batches rows from every front end)
         if self._outbox is None:
             raise _gone()
         ident = next(self._ids) & wire.ID_MASK

@@ -340,3 +340,16 @@ async def test_a_failing_stats_hook_neither_holds_answers_nor_stops_the_loop(cap
         np.testing.assert_array_equal(out[:, 0], rows(n).sum(1))
     assert "recording a batch of model 'fake' failed" in caplog.text
     await b.stop()
+
+
+@pytest.mark.parametrize("alone", [False, True])
+async def test_a_lone_leader_does_not_wait_a_turn_for_others(alone):
+    # Two requests read in one turn find the model idle: the first leads. Unless the caller said it
+    # was alone, it waits one turn and the second joins its batch; alone, it runs at once.
+    runner = FakeRunner()
+    b, _ = await started(runner, inline_batch_ms=math.inf)  # quick from the first batch on
+    first = asyncio.ensure_future(b.submit(rows(1), alone=alone))
+    second = asyncio.ensure_future(b.submit(rows(1, start=10.0)))
+    await asyncio.gather(first, second)
+    assert runner.batches == ([1, 1] if alone else [2]), runner.batches
+    await b.stop()

@@ -1,6 +1,7 @@
 """The rows' routes served framework-free (``service.hotpath``) answer exactly as the framework's
 routes do, and are what serves them."""
 
+import asyncio
 import json
 
 import numpy as np
@@ -66,3 +67,35 @@ async def test_the_hot_path_serves_rows_without_the_framework_routes(client):
     ("/v2/models/m/x/1/infer", None), ("/infer/", None), ("/v2/models/m/ready", None)])
 def test_routes(path, want):
     assert route(path) == want
+
+
+@pytest.mark.parametrize("others, alone", [(0, True), (2, False)])
+async def test_a_request_alone_on_the_server_does_not_wait_for_others(client, monkeypatch, others, alone):
+    # The HTTP protocol puts the server's requests in progress in the scope (middleware.REQUESTS);
+    # a request alone there tells the engine so, and its batch need not wait a turn for others.
+    from fusedserve.service.middleware import GONE
+    from fusedserve.service.middleware import REQUESTS as IN_PROGRESS
+
+    engine, seen = client.app.state.engine, []
+    real = engine.infer
+
+    async def spy(*args, **kwargs):
+        seen.append(kwargs.get("alone"))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "infer", spy)
+    body = json.dumps({"model": "tiny", "inputs": ROWS}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/infer", "headers": [(b"content-length", b"%d" % len(body))],
+             "client": ("127.0.0.1", 5), "query_string": b"", IN_PROGRESS: set(range(1 + others)),
+             GONE: asyncio.get_running_loop().create_future()}  # (as the protocol sets them)
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+    sent = []
+
+    async def receive():
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message):
+        sent.append(message)
+
+    assert await client.app.hot_path(scope, receive, send)
+    assert sent[0]["status"] == 200 and seen == [alone]
