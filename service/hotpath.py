@@ -62,8 +62,8 @@ class HotPath:
         raw = {name: value for name, value in scope["headers"] if name in _WANTED}
         refusal = self.guard.check("POST", scope["path"], raw, inference=True)
         if refusal is None:
-            alone = len(scope.get(REQUESTS, ())) == 1
-            status, body, media_type, extra = await self._answer(where, raw, receive, scope.get(GONE), alone)
+            status, body, media_type, extra = await self._answer(where, raw, receive, scope.get(GONE),
+                                                                 scope.get(REQUESTS))
         else:
             status, message, extra = refusal
             body, media_type = dump_json({"error": message}), _JSON
@@ -75,10 +75,10 @@ class HotPath:
         log_access(scope, status, start, request_id)
         return True
 
-    async def _answer(self, where, headers: dict, receive, gone, alone: bool) -> tuple[int, bytes, bytes, dict]:
+    async def _answer(self, where, headers: dict, receive, gone, in_progress) -> tuple[int, bytes, bytes, dict]:
         """``(status, body, media type, extra headers)``; a ServiceError answers as the framework's
-        handler would (its status, ``{"error": ...}``, counted in the metrics). ``alone``: no other
-        request is in progress on this server (``run_rows``)."""
+        handler would (its status, ``{"error": ...}``, counted in the metrics). ``in_progress``: the
+        server's requests in progress (``middleware.REQUESTS``), None where unknown."""
         state, engine, model = self.state, self.app.state.engine, ""
         try:
             kind, name, version = where
@@ -91,6 +91,7 @@ class HotPath:
                 x = infer_route.rows(state, info, inputs, raw)
             else:
                 req, x, binary = v2.decode(state, info, raw, _text(headers, _HEADER_LENGTH))
+            alone = in_progress is not None and len(in_progress) == 1  # read now: others may have come
             out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive, gone,
                                  alone)
             if kind == "infer":
