@@ -34,6 +34,18 @@ def reference_layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, a
     return act(F.linear(x, weight, bias))
 
 
+def run_layers(x: torch.Tensor, layers, hook=None) -> torch.Tensor:
+    """``x`` through each of ``layers`` (callables) in turn; ``hook(i)``, when given, is called before
+    layer i and ``hook(len(layers))`` after the last (the runner times layers through it)."""
+    for i, layer in enumerate(layers):
+        if hook is not None:
+            hook(i)
+        x = layer(x)  # [M, hidden[i]] ... then [M, out]
+    if hook is not None:
+        hook(len(layers))
+    return x
+
+
 @dataclass(frozen=True)
 class MLPConfig:
     """Shape of an MLP: ``in -> hidden[0] -> ... -> hidden[-1] -> out``.
@@ -185,12 +197,5 @@ class MLP(nn.Module):
         return normalize_rows(x, self.input_shift, self.input_scale, self.config.torch_dtype)
 
     def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
-        # hook(i), when given, is called before layer i and hook(len(layers)) after the last (timing).
-        x = self.normalize(x)  # [M, in]
-        for i, layer in enumerate(self.layers):
-            if hook is not None:
-                hook(i)
-            x = layer(x)  # [M, hidden[i]] ... then [M, out]
-        if hook is not None:
-            hook(len(self.layers))
-        return x
+        # x: [M, in] -> [M, out]; hook: see run_layers.
+        return run_layers(self.normalize(x), self.layers, hook)

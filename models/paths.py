@@ -9,6 +9,8 @@ Both take the raw float32 input ``[bucket, in]`` and a per-layer ``hook`` (see `
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from fusedserve.kernels import choosing
@@ -16,7 +18,7 @@ from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.family import config_str
 from fusedserve.kernels.rules import m_bucket, problem_of_shape
 from fusedserve.kernels.triton import fused_mlp
-from fusedserve.models.mlp import MLP, normalize_rows, reference_layer
+from fusedserve.models.mlp import MLP, normalize_rows, reference_layer, run_layers
 
 # Warm-up times each candidate path with this many rounds of back-to-back calls (best round wins).
 CHOICE_ROUNDS, CHOICE_CALLS = 3, 10
@@ -40,7 +42,8 @@ class LayersPath:
         # The torch backend's layers with their tensors looked up once: through the modules a digits
         # row takes ~35 us on the 2-core dev box, ~20 of them attribute lookups and module dispatch.
         self._bound = None if model.backend != "torch" else tuple(
-            (layer.weight, layer.bias, ACTIVATIONS[layer.activation]) for layer in model.layers)
+            partial(reference_layer, weight=layer.weight, bias=layer.bias, act=ACTIVATIONS[layer.activation])
+            for layer in model.layers)
 
     def tune(self, x: torch.Tensor) -> None:
         """Nothing ahead: each layer's first launch at a new bucket tunes its kernel."""
@@ -49,14 +52,8 @@ class LayersPath:
         if self._bound is None:
             return self.model(x, hook)  # [bucket, in] -> [bucket, out]
         model = self.model  # the same math as MLP.forward, hooks included
-        h = normalize_rows(x, model.input_shift, model.input_scale, model.config.torch_dtype)
-        for i, (weight, bias, act) in enumerate(self._bound):
-            if hook is not None:
-                hook(i)
-            h = reference_layer(h, weight, bias, act)
-        if hook is not None:
-            hook(len(self._bound))
-        return h
+        return run_layers(normalize_rows(x, model.input_shift, model.input_scale, model.config.torch_dtype),
+                          self._bound, hook)
 
     def tuned(self, bucket: int) -> bool:
         """Whether every layer's choice at ``bucket`` is in the tune cache (nothing to time: True)."""
