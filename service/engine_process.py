@@ -24,6 +24,7 @@ from fusedserve.service.logs import configure
 from fusedserve.service.settings import Settings
 from fusedserve.service.timing import LayerSinks
 from fusedserve.service.state import ServiceState
+from fusedserve.service.supervisor import until_orphaned
 
 log = logging.getLogger("fusedserve")
 STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to the front ends
@@ -196,21 +197,23 @@ class EngineServer:
         raise ValueError(f"unknown control op {op!r}")
 
 
-async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
-    # Orphaned (the supervisor was killed): nobody will restart or stop us; stop now.
-    while os.getppid() == parent:
-        await asyncio.sleep(0.5)
+async def _stop_when_orphaned(supervisor: int | None, stop: asyncio.Event) -> None:
+    await until_orphaned(supervisor)
     stop.set()
 
 
-async def serve(settings: Settings, path: str, ready_fd: int | None) -> None:
+async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor: int | None = None) -> None:
     state = ServiceState.fresh(settings)
     state.metrics.watch_queues(state.batchers)
     server = EngineServer(state)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    orphaned = asyncio.create_task(_stop_when_orphaned(supervisor, stop))  # watched while models load too
     runners = await startup.load(state, LayerSinks((state.stats, state.metrics)))
+    if stop.is_set():  # stopped or orphaned while loading: nothing to answer yet
+        orphaned.cancel()
+        return
     if os.path.exists(path):
         os.unlink(path)  # left by the engine this one replaces
     origins = itertools.count(1)
@@ -220,7 +223,7 @@ async def serve(settings: Settings, path: str, ready_fd: int | None) -> None:
         os.close(ready_fd)
     log.info("engine listening on %s", path)
     tasks = [asyncio.create_task(startup.warm_up_and_serve(state, runners)),
-             asyncio.create_task(server.watch_status()), asyncio.create_task(_watch_parent(os.getppid(), stop))]
+             asyncio.create_task(server.watch_status()), orphaned]
     await stop.wait()
     state.draining = True
     await startup.stop(state, tasks[0])  # the batchers answer what they queued
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ready-fd", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
+    p.add_argument("--supervisor", type=int, default=None, help="its PID (default: the parent at start)")
     args = p.parse_args(argv)
     configure(args.log_level, args.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us once the front ends are done
@@ -243,9 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(settings, args.socket, args.ready_fd))
+        asyncio.run(serve(settings, args.socket, args.ready_fd, args.supervisor))
     else:
-        uvloop.run(serve(settings, args.socket, args.ready_fd))
+        uvloop.run(serve(settings, args.socket, args.ready_fd, args.supervisor))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import socket
 
@@ -16,6 +15,7 @@ from fusedserve.service.app import create_app
 from fusedserve.service.logs import configure
 from fusedserve.service.server import DrainingServer, stop_accepting, uvicorn_config
 from fusedserve.service.settings import Settings
+from fusedserve.service.supervisor import until_orphaned
 
 SIBLINGS_SETTLE_S = 0.2  # how long after SIGTERM every front end's listener is surely closed
 
@@ -23,8 +23,12 @@ SIBLINGS_SETTLE_S = 0.2  # how long after SIGTERM every front end's listener is 
 class FrontEndServer(DrainingServer):
     """``DrainingServer`` that also drains itself once orphaned (its supervisor was killed)."""
 
+    def __init__(self, *args, supervisor: int | None = None):
+        super().__init__(*args)
+        self.supervisor = supervisor
+
     async def serve(self, sockets=None) -> None:
-        watch = asyncio.ensure_future(self._watch_parent(os.getppid()))
+        watch = asyncio.ensure_future(self._drain_when_orphaned())
         try:
             await super().serve(sockets)
         finally:
@@ -37,9 +41,8 @@ class FrontEndServer(DrainingServer):
         stop_accepting(self)
         self._loop.call_later(SIBLINGS_SETTLE_S, super()._start_drain, sig, frame)
 
-    async def _watch_parent(self, parent: int) -> None:
-        while os.getppid() == parent:
-            await asyncio.sleep(0.5)
+    async def _drain_when_orphaned(self) -> None:
+        await until_orphaned(self.supervisor)
         self.handle_exit(signal.SIGTERM, None)
 
 
@@ -50,13 +53,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settings", required=True, help="Settings as JSON")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
+    p.add_argument("--supervisor", type=int, default=None, help="its PID (default: the parent at start)")
     args = p.parse_args(argv)
     configure(args.log_level, args.log_format)
     settings = Settings(**json.loads(args.settings))
     app = create_app(settings, engine_process=args.engine)
     config = uvicorn_config(app, settings, args.log_level)  # the guarded protocol, as one process has
     # socket(fileno=) finds the family itself (TCP): asyncio then sets TCP_NODELAY on each connection.
-    FrontEndServer(config, app.state.service, settings.drain_grace_s).run(sockets=[socket.socket(fileno=args.fd)])
+    FrontEndServer(config, app.state.service, settings.drain_grace_s, supervisor=args.supervisor).run(sockets=[socket.socket(fileno=args.fd)])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ it accepted); once all have exited, the engine stops (its batchers answer what t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -28,6 +29,7 @@ log = logging.getLogger("fusedserve")
 POLL_S = 0.05
 RESTART_BACKOFF_S = 1.0  # a child that dies within this long of its start waits this long to restart
 ENGINE_STOP_S = 30.0  # the engine's own shutdown (batchers answering their queues)
+ORPHAN_POLL_S = 0.5  # how often a child checks that its supervisor is still its parent
 
 
 @dataclass
@@ -48,6 +50,15 @@ class Child:
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
+
+
+async def until_orphaned(supervisor: int | None) -> None:
+    """Return once ``supervisor`` (a PID; None: this process's parent now) is no longer our parent:
+    it was killed, and nobody will restart or stop us. A PID given on the command line also catches
+    a supervisor that died before this process began to watch (while it imported or loaded)."""
+    parent = os.getppid() if supervisor is None else supervisor
+    while os.getppid() == parent:
+        await asyncio.sleep(ORPHAN_POLL_S)
 
 
 def _check_free(host: str, port: int, flag: str) -> None:
@@ -84,7 +95,7 @@ class Supervisor:
     def __init__(self, settings: Settings, log_level: str, log_format: str):
         self.settings = settings
         self._common = ["--settings", settings.model_dump_json(), "--log-level", log_level,
-                        "--log-format", log_format]
+                        "--log-format", log_format, "--supervisor", str(os.getpid())]
         self._stop_signal: int | None = None
         self._front_ends: list[Child] = []
 

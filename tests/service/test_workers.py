@@ -209,10 +209,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_children_stop_when_the_supervisor_is_killed(server):
-    # SIGKILL leaves no chance to stop them: each notices it was orphaned and exits, freeing the ports.
-    kids = [pid for pids in children(server.proc.pid).values() for pid in pids]
-    assert len(kids) == 3, kids
+def _kill_supervisor_and_wait(server: Server, kids: list[int]) -> None:
     server.proc.kill()
     server.proc.wait()
     end = time.monotonic() + 15
@@ -222,3 +219,26 @@ def test_children_stop_when_the_supervisor_is_killed(server):
     for pid in left:  # never leave them behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"children still running 15 s after the supervisor died: {left}"
+
+
+def test_children_stop_when_the_supervisor_is_killed(server):
+    # SIGKILL leaves no chance to stop them: each notices it was orphaned and exits, freeing the ports.
+    kids = [pid for pids in children(server.proc.pid).values() for pid in pids]
+    assert len(kids) == 3, kids
+    _kill_supervisor_and_wait(server, kids)
+
+
+@pytest.mark.parametrize("role", ["engine", "frontend"])
+def test_a_child_stops_when_the_supervisor_dies_while_it_starts(tmp_path, role):
+    # Killed as soon as the child exists (still importing, or loading models): the child must know
+    # its supervisor's PID, since its parent is already someone else when it first looks.
+    s = Server(write_repository(tmp_path / "repo"), tmp_path / "server.log", "--workers", "2")
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not children(s.proc.pid)[role]:
+            time.sleep(0.005)
+        kids = [pid for pids in children(s.proc.pid).values() for pid in pids]
+        assert kids, f"no {role} started:\n{s.log.read_text()}"
+        _kill_supervisor_and_wait(s, kids)
+    finally:
+        s.stop()
