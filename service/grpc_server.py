@@ -1,6 +1,6 @@
-"""KServe v2 gRPC (``inference.GRPCInferenceService``, the stubs ``tritonclient[grpc]`` ships) on a
-``grpc.aio`` server in the HTTP app's event loop. The servicer sees only an ``Engine``; a client's
-mistake is answered with the status code its ``ServiceError`` names (INVALID_ARGUMENT, NOT_FOUND,
+"""KServe v2 gRPC (``inference.GRPCInferenceService``, the messages ``tritonclient[grpc]`` ships) on
+our own HTTP/2 connections (``service.h2``) in the HTTP app's event loop. The servicer sees only an
+``Engine``; a client's mistake is answered with the status code its ``ServiceError`` names (INVALID_ARGUMENT, NOT_FOUND,
 UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. ModelStreamInfer answers each
 request of a stream with its id (a mistake in ``error_message``, the stream going on). Methods not
 listed here (model config, statistics, shared-memory control) answer UNIMPLEMENTED; the repository
@@ -12,20 +12,19 @@ import asyncio
 import functools
 import logging
 
-import grpc
 from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc
 
-from fusedserve.service import grpc_codec, tensors
+from fusedserve.service import grpc_calls, grpc_codec, h2, tensors
 from fusedserve.service.engine import Engine
-from fusedserve.service.errors import ClientGone, DeadlineExceeded, NotReady, ServiceError, UnknownModel, log_unexpected
+from fusedserve.service.errors import (ClientGone, DeadlineExceeded, NotReady, NotServed, ServiceError, UnknownModel,
+                                       log_unexpected)
 from fusedserve.service.security import Guard
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo
 
 log = logging.getLogger("fusedserve")
-
-CODES = {code.name: code for code in grpc.StatusCode}
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+OPEN = frozenset({"ServerLive", "ServerReady"})  # answered without an API key, like HTTP's probes
 
 
 def _service_error(exc: Exception) -> ServiceError:
@@ -40,7 +39,7 @@ async def _abort(context, engine: Engine, model: str, exc: Exception):
     """Answer ``exc`` as a status: a ServiceError with its own code, anything else INTERNAL (logged)."""
     exc = _service_error(exc)
     engine.record_error(model, exc.outcome)
-    await context.abort(CODES[exc.grpc_code], exc.message)
+    await context.abort(exc.grpc_code, exc.message)
 
 
 def _answers_errors(method):
@@ -56,7 +55,9 @@ def _answers_errors(method):
     return wrapper
 
 
-class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer:
+    """The methods of ``GRPCInferenceService`` served here, by their names in the service."""
+
     def __init__(self, engine: Engine, max_rows: int, timeout_s: float, control=None):
         self._engine = engine
         self._control = control  # service.repository.ModelControl: the repository methods
@@ -115,7 +116,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _controlled(self, context):
         if self._control is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "model control is not served here")
+            raise NotServed("model control is not served here")
         return self._control
 
     async def ModelInfer(self, request, context):
@@ -194,32 +195,30 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return limit
 
 
-class KeyCheck(grpc.aio.ServerInterceptor):
-    """The HTTP API keys on gRPC (``authorization: Bearer <key>`` metadata); server health stays open,
-    repository control is an admin call."""
+def key_check(guard: Guard):
+    """The HTTP API keys on gRPC (``authorization: Bearer <key>`` metadata): (method, metadata) ->
+    the reason to refuse, or None. Server health stays open; repository control is an admin call."""
 
-    OPEN = frozenset({"ServerLive", "ServerReady"})
-    STREAMS = frozenset({"ModelStreamInfer"})
+    def refusal(method: str, metadata: tuple) -> str | None:
+        if method in OPEN:
+            return None
+        given = next((v for k, v in metadata if k == "authorization"), "")
+        refused = guard.authorize("/v2/repository" if method.startswith("Repository") else "",
+                                  given.encode("latin-1", "replace"))
+        return None if refused is None else refused[1]
 
-    def __init__(self, guard: Guard):
-        self._guard = guard
+    return refusal
 
-    async def intercept_service(self, continuation, details):
-        method = details.method.rsplit("/", 1)[-1]
-        if method in self.OPEN:
-            return await continuation(details)
-        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
-        refusal = self._guard.authorize("/v2/repository" if method.startswith("Repository") else "",
-                                        given.encode("latin-1") if isinstance(given, str) else given)
-        if refusal is None:
-            return await continuation(details)
 
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal[1])
-
-        if method in self.STREAMS:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+def methods(servicer: InferenceServicer) -> dict[str, grpc_calls.Method]:
+    """The service's methods the servicer has, by path; any other path is answered UNIMPLEMENTED."""
+    found = {}
+    for method in SERVICE.methods:
+        handler = getattr(servicer, method.name, None)
+        if handler is not None:
+            found[f"/{SERVICE.full_name}/{method.name}"] = grpc_calls.Method(
+                method.name, getattr(pb, method.input_type.name).FromString, handler, method.client_streaming)
+    return found
 
 
 def _address(host: str, port: int) -> str:
@@ -227,43 +226,51 @@ def _address(host: str, port: int) -> str:
 
 
 class GrpcServer:
-    """The gRPC front door: ``start`` once models are loaded, ``drain`` on SIGTERM (refuse new calls
-    at once, let calls in flight finish within the grace period), ``stop`` at shutdown."""
+    """The gRPC front door (``service.h2`` connections): ``start`` once models are loaded, ``drain``
+    on SIGTERM (GOAWAY: no new calls; calls in flight go on), ``stop`` at shutdown (what is still
+    open after the grace period is cancelled)."""
 
     def __init__(self, engine: Engine, settings: Settings, control=None, reuse_port: bool = False):
+        self.host, self.port = settings.host, settings.grpc_port
         self.address = _address(settings.host, settings.grpc_port)
-        self._servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000,
-                                           control)
-        self._max_message = settings.max_body_bytes
         guard = Guard(settings)
-        self._interceptors = [KeyCheck(guard)] if guard.keyed else []
-        self._server: grpc.aio.Server | None = None
+        servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000, control)
+        self.methods = methods(servicer)  # what h2.Connection reads: these five attributes
+        self.refuse = key_check(guard) if guard.keyed else None
+        self.max_message = settings.max_body_bytes
+        self.connections: set[h2.Connection] = set()
+        self.draining = False
+        self._listener: asyncio.AbstractServer | None = None
         self._stopping: asyncio.Future | None = None
         self._reuse_port = reuse_port  # the front ends of --workers N share the port (the supervisor checked it free)
 
     async def start(self) -> None:
-        # so_reuseport off (but among the front ends of --workers N): gRPC sets SO_REUSEPORT by default,
-        # so a second server on a busy port would silently share its calls; off, the port must be free. Requests are capped like HTTP bodies.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self._reuse_port)),
-                                          ("grpc.max_receive_message_length", self._max_message),
-                                          ("grpc.max_send_message_length", -1)],
-                                 interceptors=self._interceptors)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self._servicer, server)
+        # Without reuse_port (but among the front ends of --workers N) a busy port is an error, never shared.
         try:
-            server.add_insecure_port(self.address)
-        except RuntimeError as exc:
+            self._listener = await asyncio.get_running_loop().create_server(
+                lambda: h2.Connection(self), self.host, self.port, reuse_port=self._reuse_port, backlog=1024)
+        except OSError as exc:
             raise RuntimeError(f"cannot listen for gRPC on {self.address} ({exc}): is the port taken? "
                                "Choose another with --grpc-port, or turn gRPC off with --grpc-port 0") from None
-        await server.start()
-        self._server = server
         log.info("gRPC (KServe v2) on %s", self.address)
 
     def drain(self, grace_s: float) -> None:
         """Stop taking calls now; calls in flight get ``grace_s`` to finish, then are cancelled."""
-        if self._server is not None and self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._server.stop(grace_s))
+        if self._stopping is None:
+            self.draining = True
+            if self._listener is not None:
+                self._listener.close()
+            for connection in list(self.connections):
+                connection.go_away()
+            self._stopping = asyncio.ensure_future(self._close_after(grace_s))
+
+    async def _close_after(self, grace_s: float) -> None:
+        end = asyncio.get_running_loop().time() + grace_s
+        while any(c.streams for c in self.connections) and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.01)
+        for connection in list(self.connections):
+            connection.close()
 
     async def stop(self, grace_s: float) -> None:
         self.drain(grace_s)
-        if self._stopping is not None:
-            await self._stopping
+        await self._stopping

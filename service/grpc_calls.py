@@ -1,0 +1,188 @@
+"""What a gRPC call is on HTTP/2 (``service.h2`` carries it): its status codes and trailers, its
+deadline header, the methods a server offers and the context their handlers see, and the tasks that
+run one call, unary or streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+log = logging.getLogger("fusedserve")
+
+# gRPC status codes by name (a ServiceError's grpc_code), as numbers on the wire.
+STATUS = {name: number for number, name in enumerate((
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"))}
+TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+def _hpack_int(n: int) -> bytes:
+    """An HPACK integer with a 7-bit prefix (a string length, Huffman bit clear)."""
+    if n < 127:
+        return bytes((n,))
+    out, n = [127], n - 127
+    while n >= 128:
+        out.append((n & 127) | 128)
+        n >>= 7
+    return bytes((*out, n))
+
+
+def literal(name: str, value: str) -> bytes:
+    """One header as a literal never added to the table: the same bytes are right on any connection."""
+    n, v = name.encode(), value.encode()
+    return b"\x00" + _hpack_int(len(n)) + n + _hpack_int(len(v)) + v
+
+
+def _percent(message: str) -> str:
+    """grpc-message's encoding: printable ASCII but '%' as is, every other byte as %XX."""
+    return "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode())
+
+
+RESPONSE_HEADERS = b"\x88" + literal("content-type", "application/grpc")  # 0x88: ":status 200" (static table)
+OK_TRAILERS = literal("grpc-status", "0")
+
+
+def status_block(code: str, message: str) -> bytes:
+    block = literal("grpc-status", str(STATUS[code]))
+    return block + literal("grpc-message", _percent(message)) if message else block
+
+
+class Abort(Exception):
+    """A call ends with this status (``code``: a name in ``STATUS``) and message."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Method:
+    """A gRPC method: how its request parses, and its handler. A unary handler takes (request,
+    context) and returns the response; a streaming one takes (request iterator, context) and
+    yields responses."""
+    name: str
+    parse: Callable[[bytes], object]
+    handler: Callable
+    streaming: bool
+
+
+class CallContext:
+    """What a handler may ask of its call (grpc.aio's servicer context, the parts we use)."""
+
+    __slots__ = ("_deadline", "_metadata")
+
+    def __init__(self, deadline: float | None, metadata: tuple):
+        self._deadline, self._metadata = deadline, metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - asyncio.get_running_loop().time()
+
+    def invocation_metadata(self) -> tuple:
+        return self._metadata
+
+    async def abort(self, code: str, message: str):
+        raise Abort(code, message)
+
+
+class NotGrpc(Exception):
+    """A request that is no gRPC call (not a POST of application/grpc): answered HTTP 415."""
+
+
+COMPRESSED = "compressed messages are not served: send them uncompressed"
+
+
+def open_call(methods: dict[str, Method], refuse, headers, now: float) -> tuple[Method, CallContext]:
+    """The method and context of a call opened with ``headers``; Abort says why it is refused."""
+    fields = dict(headers)
+    if fields.get(":method") != "POST" or not fields.get("content-type", "").startswith("application/grpc"):
+        raise NotGrpc()
+    path = fields.get(":path", "")
+    metadata = tuple((k, v) for k, v in headers if not k.startswith(":"))
+    method = methods.get(path)
+    if method is None:
+        raise Abort("UNIMPLEMENTED", f"unknown method {path}")
+    refusal = refuse and refuse(method.name, metadata)
+    if refusal and method.streaming:  # told on its first message: a client's first write would fail blindly
+        method = Method(method.name, method.parse, refuse_stream(refusal), True)
+    elif refusal:
+        raise Abort("UNAUTHENTICATED", refusal)
+    if fields.get("grpc-encoding", "identity") not in ("identity", ""):
+        raise Abort("UNIMPLEMENTED", COMPRESSED)
+    timeout = fields.get("grpc-timeout")
+    return method, CallContext(None if timeout is None else now + grpc_timeout(timeout), metadata)
+
+
+def take_messages(body: bytearray) -> list[bytes]:
+    """The whole length-prefixed messages at the head of ``body``, taken out of it."""
+    messages = []
+    while len(body) >= 5:
+        size = int.from_bytes(body[1:5], "big")
+        if len(body) < 5 + size:
+            break
+        if body[0]:
+            raise Abort("UNIMPLEMENTED", COMPRESSED)
+        messages.append(bytes(body[5:5 + size]))
+        del body[:5 + size]
+    return messages
+
+
+def grpc_timeout(value: str) -> float:
+    """``grpc-timeout`` (up to 8 digits and a unit) in seconds."""
+    if not 2 <= len(value) <= 9 or not value[:-1].isdigit() or value[-1] not in TIMEOUT_UNITS:
+        raise Abort("INVALID_ARGUMENT", f"grpc-timeout {value!r} is not digits and one of H M S m u n")
+    return int(value[:-1]) * TIMEOUT_UNITS[value[-1]]
+
+
+async def unary_call(connection, stream, message: bytes) -> None:
+    try:
+        response = await stream.method.handler(stream.method.parse(message), stream.context)
+    except Exception as exc:  # noqa: BLE001 - every call is answered with a status
+        connection.finish(stream, *_status_of(exc))
+        return
+    connection.send_message(stream, response.SerializeToString())
+    connection.finish(stream, "OK", "")
+
+async def stream_call(connection, stream) -> None:
+    failure: list = []
+    try:
+        async for response in stream.method.handler(_requests(stream, failure), stream.context):
+            connection.send_message(stream, response.SerializeToString())
+    except Exception as exc:  # noqa: BLE001 - every call is answered with a status
+        failure.append(exc)
+    connection.finish(stream, *(_status_of(failure[0]) if failure else ("OK", "")))
+
+async def _requests(stream, failure: list) -> AsyncIterator:
+    """The stream's request messages, parsed; one that does not parse ends the call (INTERNAL)."""
+    while (message := await stream.inbox.get()) is not None:
+        try:
+            request = stream.method.parse(message)
+        except DecodeError as exc:
+            failure.append(exc)
+            return
+        yield request
+
+
+def refuse_stream(reason: str):
+    """A streaming handler that reads the first request, then ends the call UNAUTHENTICATED."""
+
+    async def refuse(requests, context):
+        async for _ in requests:
+            break
+        raise Abort("UNAUTHENTICATED", reason)
+        yield  # noqa: RET503 - makes this an async generator, as streaming handlers are
+
+    return refuse
+
+
+def _status_of(exc: Exception) -> tuple[str, str]:
+    if isinstance(exc, Abort):
+        return exc.code, exc.message
+    if isinstance(exc, DecodeError):
+        return "INTERNAL", f"the request message does not parse: {exc}"
+    log.error("gRPC call failed", exc_info=exc)
+    return "INTERNAL", "internal error; see the server log"
