@@ -10,18 +10,23 @@ so drifting machine noise hits all alike:
   ``grpc_shared``: the same calls multiplexed on one channel, as one shared client object makes them.
   ``grpc_stream``: ModelStreamInfer, one stream per client on its own channel, one request in
   flight per client as in every other load (what ``tritonclient.grpc``'s ``async_stream_infer`` sends).
+- ``grpc_raw`` and ``grpc_raw_stream``: the same two calls from a raw-socket HTTP/2 client (frames and
+  header block built once, one connection per client, no gRPC library), as the HTTP loads are sent: on
+  the 2-core box grpc.aio's client spends ~3x the raw HTTP client's CPU per call, so it, not the
+  server, bounds the ``grpc`` loads; these measure the server the way the HTTP loads do.
 - ``http_v2``: ``POST /v2/models/digits/infer`` with the binary tensor extension (what
   ``tritonclient.http`` sends), and ``http_infer``: ``POST /infer`` JSON; both from bench/load.py's
   raw-socket keep-alive generator, one connection per client.
 - ``grpc_floor`` and ``grpc_stream_floor``: the same gRPC clients against a bare ``grpc.aio`` server
   on the same stubs that answers a canned response (no model, no service): what grpc.aio itself
-  costs per call, or per message on a stream, here.
+  costs per call, or per message on a stream, here. ``grpc_raw_floor`` and ``grpc_raw_stream_floor``:
+  the raw clients against it, grpc.aio's server side alone.
 
 Each run is bounded by ``--duration`` and each call by a timeout; loopback only. Per run: req/s,
 p50/p99, errors, the server's CPU time per request (all its threads, from /proc), the client's, and
 the mean batch rows (/kernel-stats). Writes ``bench/results/grpc_load_<host>.json``.
 
-    python bench/grpc_load.py              # ~2 min on the 2-core dev machine
+    python bench/grpc_load.py              # ~4 min on the 2-core dev machine
 """
 
 from __future__ import annotations
@@ -45,11 +50,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench.load and the service import from the checkout
 from bench.loadgen import IO_TIMEOUT_S, read_response  # noqa: E402
+from bench.h2_client import (METHOD, STREAM_METHOD, grpc_message, raw_stream_client,  # noqa: E402
+                             raw_unary_client)
 from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-METHOD = "/inference.GRPCInferenceService/ModelInfer"
-STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 MAX_CLIENTS = 256  # a bound on the load this script may generate
 
 
@@ -122,6 +127,17 @@ async def drive(port: int, requests: list[bytes], clients: int, duration_s: floa
     return _summary(latencies, errors, time.monotonic() - t0)
 
 
+def _check_answer(message: bytes, streamed: bool) -> None:
+    """Raises unless ``message`` (a ModelInferResponse, or ``streamed`` one inside a
+    ModelStreamInferResponse) holds one [1, 10] output as raw bytes."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    answer = (pb.ModelStreamInferResponse.FromString(message).infer_response if streamed
+              else pb.ModelInferResponse.FromString(message))
+    if len(answer.raw_output_contents) != 1 or len(answer.outputs) != 1 or list(answer.outputs[0].shape) != [1, 10]:
+        raise RuntimeError(f"unexpected answer: {answer}")
+
+
 async def _grpc_client(call, requests: list[bytes], deadline: float, latencies: list, errors: list) -> None:
     import grpc
 
@@ -141,17 +157,13 @@ async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s:
     """Like ``drive``, over gRPC: ``clients`` callers on ``channels`` channels, bytes in and out."""
     import grpc
 
-    from tritonclient.grpc import service_pb2 as pb
-
     # A local subchannel pool: each channel its own connection, not one shared under the hood.
     opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
               for _ in range(channels)]
     try:
         calls = [opened[i % channels].unary_unary(METHOD) for i in range(clients)]  # no serializers: bytes
         answers = [await call(requests[0], timeout=IO_TIMEOUT_S) for call in calls]  # connects every channel
-        answer = pb.ModelInferResponse.FromString(answers[0])
-        if len(answer.raw_output_contents) != 1 or list(answer.outputs[0].shape) != [1, 10]:
-            raise RuntimeError(f"unexpected answer: {answer}")
+        _check_answer(answers[0], streamed=False)
         latencies, errors = [], []
         t0 = time.monotonic()
         await asyncio.gather(*(_grpc_client(call, requests, t0 + duration_s, latencies, errors) for call in calls))
@@ -193,6 +205,25 @@ async def drive_stream(port: int, requests: list[bytes], clients: int, duration_
         await asyncio.gather(*(c.close() for c in opened))
     if errors:
         print(f"grpc_stream: {len(errors)} answers were errors, the first: {errors[0]}", flush=True)
+    return _summary(latencies, errors, elapsed)
+
+
+async def drive_raw(port: int, requests: list[bytes], clients: int, duration_s: float, stream: bool) -> dict:
+    """Like ``drive``, over gRPC from raw-socket HTTP/2 clients (pre-built frames, no gRPC library):
+    ModelInfer, or (``stream``) one ModelStreamInfer stream per client. The run's first answer is checked."""
+    if not 1 <= clients <= MAX_CLIENTS:
+        raise ValueError(f"clients must be 1..{MAX_CLIENTS}")
+    messages = [grpc_message(r) for r in requests]
+    client = raw_stream_client if stream else raw_unary_client
+    latencies, errors, answers = [], [], []
+    t0 = time.monotonic()
+    await asyncio.gather(*(client(port, messages, t0 + duration_s, latencies, errors, answers)
+                           for _ in range(clients)))
+    elapsed = time.monotonic() - t0
+    if answers:
+        _check_answer(answers[0], stream)
+    if errors:
+        print(f"grpc_raw{'_stream' if stream else ''}: {len(errors)} calls failed, the first: {errors[0]}", flush=True)
     return _summary(latencies, errors, elapsed)
 
 
@@ -254,7 +285,9 @@ def one_run(mode: str, server: ServerProcess, grpc_port: int, loads: dict, clien
     if not mode.endswith("_floor"):
         http_json(server.url + "/kernel-stats/reset", "POST")
     cpu0, client0 = server.cpu_seconds(), os.times()
-    if mode.startswith("grpc_stream"):
+    if mode.startswith("grpc_raw"):
+        r = asyncio.run(drive_raw(grpc_port, loads["grpc"], clients, duration, mode.startswith("grpc_raw_stream")))
+    elif mode.startswith("grpc_stream"):
         r = asyncio.run(drive_stream(grpc_port, loads["grpc"], clients, duration))
     elif mode.startswith("grpc"):
         channels = 1 if mode == "grpc_shared" else clients
@@ -286,7 +319,7 @@ def summarize(results: list[dict], target: float) -> list[dict]:
             row[mode] = {k: med(clients, mode, k) for k in ("rps", "p50_ms", "p99_ms", "server_cpu_ms_per_request",
                                                              "client_cpu_ms_per_request", "mean_batch_rows")}
             row[mode]["errors"] = sum(r["errors"] for r in results if (r["clients"], r["mode"]) == (clients, mode))
-        for grpc_mode in ("grpc", "grpc_shared", "grpc_stream"):
+        for grpc_mode in ("grpc", "grpc_shared", "grpc_stream", "grpc_raw", "grpc_raw_stream"):
             for http in ("http_v2", "http_infer"):
                 if grpc_mode in row and http in row:
                     g, h = row[grpc_mode], row[http]
@@ -309,8 +342,8 @@ def _machine() -> dict:
 
 
 def run(args, work: Path) -> dict:
-    floors = [] if args.no_floor else ["grpc_floor", "grpc_stream_floor"]
-    modes = ["grpc", "grpc_shared", "grpc_stream", "http_v2", "http_infer"] + floors
+    floors = [] if args.no_floor else ["grpc_floor", "grpc_stream_floor", "grpc_raw_floor", "grpc_raw_stream_floor"]
+    modes = ["grpc", "grpc_shared", "grpc_stream", "grpc_raw", "grpc_raw_stream", "http_v2", "http_infer"] + floors
     grpc_port = free_port()
     from fusedserve.models import DEFAULT_REPOSITORY
 
@@ -337,7 +370,7 @@ def run(args, work: Path) -> dict:
                 for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
                     r = one_run(mode, *targets[mode], loads, clients, args.duration)
                     results.append({**r, "rep": rep})
-                    print(f"{mode:10s} clients={clients:3d} rep={rep} {r['rps']:7.0f} req/s p50 {r['p50_ms']:6.2f} ms "
+                    print(f"{mode:21s} clients={clients:3d} rep={rep} {r['rps']:7.0f} req/s p50 {r['p50_ms']:6.2f} ms "
                           f"p99 {r['p99_ms']:6.2f} ms server {r['server_cpu_ms_per_request'] or 0:.3f} ms/req "
                           f"errors {r['errors']}", flush=True)
     finally:
@@ -353,7 +386,7 @@ def main(argv=None) -> None:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per run (default 3)")
     parser.add_argument("--reps", type=int, default=4, help="repetitions per client count and load (default 4)")
     parser.add_argument("--target", type=float, default=1.2, help="gRPC req/s over HTTP's asked for (issue 22)")
-    parser.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio server (both floors)")
+    parser.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio server (all floors)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for warm-up")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/grpc_load_<host>.json)")
     parser.add_argument("--canned-server", type=int, default=None, help=argparse.SUPPRESS)
