@@ -203,7 +203,7 @@ class Connection(asyncio.Protocol):
             if not flags & ACK:
                 self.write(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
-            self._reset(stream_id)
+            self._reset(stream_id, payload)
         elif kind == GOAWAY:
             self.go_away()  # the client sends no more: answer what it sent, then close
         elif kind == PUSH_PROMISE:
@@ -250,9 +250,15 @@ class Connection(asyncio.Protocol):
                 raise H2Error(FLOW_CONTROL_ERROR, "the connection's window passed 2^31-1")
         elif (stream := self.streams.get(stream_id)) is not None:
             stream.send_window += increment
+            if not increment or stream.send_window > MAX_WINDOW:
+                self._reset(stream_id)
+                self.write(frame(RST_STREAM, 0, stream_id, _U32.pack(PROTOCOL_ERROR if not increment
+                                                                      else FLOW_CONTROL_ERROR)))
         self._resume()
 
-    def _reset(self, stream_id: int) -> None:
+    def _reset(self, stream_id: int, payload: bytes = b"\0\0\0\0") -> None:
+        if len(payload) != 4 or not stream_id:
+            raise H2Error(FRAME_SIZE_ERROR if stream_id else PROTOCOL_ERROR, "a malformed RST_STREAM")
         stream = self.streams.pop(stream_id, None)
         self.blocked.pop(stream_id, None)
         if stream is not None and stream.task is not None:
@@ -288,8 +294,8 @@ class Connection(asyncio.Protocol):
             if flags & END_STREAM:
                 self._received(self.streams[stream_id], ended=True)
             return
-        if stream_id <= self.last_id:
-            raise H2Error(PROTOCOL_ERROR, f"stream {stream_id} reused or opened out of order")
+        if stream_id <= self.last_id:  # a stream already answered or refused: its trailers are moot
+            return
         self.last_id = stream_id
         if (self.goaway_id is not None and stream_id > self.goaway_id) or len(self.streams) >= MAX_STREAMS:
             self.write(frame(RST_STREAM, 0, stream_id, _U32.pack(REFUSED_STREAM)))

@@ -1,0 +1,469 @@
+"""Our HTTP/2 (``service.h2``) and gRPC call layer (``service.grpc_calls``) spoken to frame by frame
+from a raw socket, against toy methods (no model service): what a gRPC client library never sends
+or never shows. SETTINGS and PING, flow control both ways, padded and split header blocks,
+RST_STREAM, refusals answered trailers-only, connection errors answered with GOAWAY, and drain."""
+
+import asyncio
+import itertools
+import struct
+import urllib.parse
+from collections import defaultdict
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+from hpack import Decoder
+
+from fusedserve.service import grpc_calls, h2
+from fusedserve.service.grpc_server import GrpcServer
+from fusedserve.service.settings import Settings
+
+from .conftest import free_port
+
+T = 5.0  # seconds any one wait may take
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# RFC 9113: frame types, flags, the settings we send, the frame size neither side raised.
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 2, 3, 4, 6, 7, 8, 9
+END_STREAM = ACK = 0x1
+END_HEADERS, PADDED, WITH_PRIORITY = 0x4, 0x8, 0x20
+INITIAL_WINDOW_SIZE, FRAME_LIMIT, DEFAULT_WINDOW = 0x4, 16384, 65535
+MAX_MESSAGE = 200_000
+ECHO, BIG, FAIL, WAIT, CHAT = (f"/toy.Toy/{name}" for name in ("Echo", "Big", "Fail", "Wait", "Chat"))
+
+
+@dataclass
+class Blob:
+    """A toy message, request and response: its bytes are its serialization."""
+    data: bytes
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+def pattern(n: int) -> bytes:
+    return (bytes(range(256)) * (n // 256 + 1))[:n]
+
+
+def toy_methods(state) -> dict:
+    """Echo, Big (``int(request)`` bytes), Fail (aborts NOT_FOUND, the request as the message), Wait
+    (for ``state.release``; sets ``state.cancelled`` if cancelled), Chat (one answer per request)."""
+
+    async def echo(request, context):
+        return request
+
+    async def big(request, context):
+        return Blob(pattern(int(request.data)))
+
+    async def fail(request, context):
+        raise grpc_calls.Abort("NOT_FOUND", request.data.decode())
+
+    async def wait(request, context):
+        state.started.set()
+        try:
+            await state.release.wait()
+        except asyncio.CancelledError:
+            state.cancelled.set()
+            raise
+        return Blob(b"released")
+
+    async def chat(requests, context):
+        async for request in requests:
+            yield Blob(b"re: " + request.data)
+
+    handlers = {ECHO: echo, BIG: big, FAIL: fail, WAIT: wait, CHAT: chat}
+    return {path: grpc_calls.Method(path.rsplit("/", 1)[1], Blob, handler, path == CHAT)
+            for path, handler in handlers.items()}
+
+
+def toy_state() -> SimpleNamespace:
+    return SimpleNamespace(started=asyncio.Event(), release=asyncio.Event(), cancelled=asyncio.Event())
+
+
+@pytest.fixture
+async def server():
+    """A stand-in for GrpcServer (the five attributes a Connection reads) on a free loopback port;
+    a caller sending ``x-deny: yes`` is refused."""
+    state = toy_state()
+    stub = SimpleNamespace(methods=toy_methods(state), max_message=MAX_MESSAGE, connections=set(), draining=False,
+                           refuse=lambda name, metadata: "denied" if ("x-deny", "yes") in metadata else None,
+                           state=state)
+    listener = await asyncio.get_running_loop().create_server(lambda: h2.Connection(stub), "127.0.0.1", 0)
+    stub.port = listener.sockets[0].getsockname()[1]
+    yield stub
+    listener.close()
+    for connection in list(stub.connections):
+        connection.close()
+    await listener.wait_closed()
+
+
+OPEN_CLIENTS: list = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients():
+    yield
+    while OPEN_CLIENTS:
+        OPEN_CLIENTS.pop().writer.close()
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"", length: int | None = None) -> bytes:
+    n = len(payload) if length is None else length
+    return n.to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+
+
+def message(body: bytes, flag: int = 0) -> bytes:
+    """A gRPC length-prefixed message: the compressed flag, the length, the bytes."""
+    return bytes((flag,)) + len(body).to_bytes(4, "big") + body
+
+
+def literal(name: str, value: str) -> bytes:
+    """An HPACK literal header field without indexing, name and value as plain (not Huffman) strings."""
+    n, v = name.encode(), value.encode()
+    assert len(n) < 127 and len(v) < 127, "the test client writes one-byte string lengths only"
+    return b"\x00" + bytes((len(n),)) + n + bytes((len(v),)) + v
+
+
+def request_block(path: str, content_type: str = "application/grpc", extra=()) -> bytes:
+    fields = ((":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "127.0.0.1"),
+              ("content-type", content_type), ("te", "trailers"), *extra)
+    return b"".join(literal(name, value) for name, value in fields)
+
+
+async def wait(awaitable, what: str):
+    try:
+        return await asyncio.wait_for(awaitable, T)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"expected {what} within {T} s") from None
+
+
+class Client:
+    """A raw HTTP/2 client: frames out as told, frames in sorted by stream, windows kept both ways.
+    A frame above 16384 bytes, or DATA beyond the windows we granted, fails the test at once."""
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer, self.send = reader, writer, writer.write
+        self.decoder = Decoder()
+        self.server_settings, self.settings_acked, self.closed = None, False, False
+        self.pings: list[bytes] = []  # the payloads of the PING ACKs received
+        self.goaway: tuple[int, int] | None = None  # (last stream id, error code)
+        self.blocks = defaultdict(list)  # stream -> its header blocks, decoded, as dicts
+        self.data = defaultdict(bytearray)  # stream -> its DATA, concatenated
+        self.ended: dict[int, int] = {}  # stream -> the kind of frame that carried END_STREAM
+        self.resets: dict[int, int] = {}  # stream -> RST_STREAM's error code
+        # Flow-control windows by stream, 0 the connection's; a stream's starts at the initial window.
+        self.out, self.peer_initial = {0: DEFAULT_WINDOW}, DEFAULT_WINDOW  # the server's, for what we send
+        self.into, self.recv_initial = {0: DEFAULT_WINDOW}, DEFAULT_WINDOW  # ours, for what it sends
+        self.tokens = itertools.count(1)
+
+    @classmethod
+    async def open(cls, port: int) -> "Client":
+        client = cls(*await wait(asyncio.open_connection("127.0.0.1", port), "a connection"))
+        OPEN_CLIENTS.append(client)
+        return client
+
+    @classmethod
+    async def connect(cls, port: int, window: int = 1 << 22, connection_window: int = 1 << 22) -> "Client":
+        """Preface, SETTINGS (our stream window), a connection WINDOW_UPDATE; back once both SETTINGS are ACKed."""
+        client = await cls.open(port)
+        client.recv_initial = window
+        client.send(PREFACE + frame(SETTINGS, 0, 0, struct.pack(">HI", INITIAL_WINDOW_SIZE, window)))
+        if connection_window:
+            client.grant(0, connection_window)
+        await client.until(lambda: client.server_settings is not None, "the server's SETTINGS")
+        client.send(frame(SETTINGS, ACK, 0))
+        await client.until(lambda: client.settings_acked, "the ACK of our SETTINGS")
+        return client
+
+    def grant(self, stream: int, n: int) -> None:
+        self.send(frame(WINDOW_UPDATE, 0, stream, n.to_bytes(4, "big")))
+        self.into[stream] = self.into.get(stream, self.recv_initial) + n
+
+    def spend(self, stream: int, n: int) -> None:
+        """Take ``n`` bytes of DATA out of the windows the server gave us."""
+        left = min(self.out[0], self.out.get(stream, self.peer_initial))
+        assert n <= left, f"the server's windows let us send {n} bytes on stream {stream}: only {left} open"
+        self.out[0] -= n
+        self.out[stream] = self.out.get(stream, self.peer_initial) - n
+
+    def send_data(self, stream: int, body: bytes, end: bool = True) -> None:
+        chunks = [body[i:i + FRAME_LIMIT] for i in range(0, len(body), FRAME_LIMIT)] or [b""]
+        for i, chunk in enumerate(chunks):
+            self.spend(stream, len(chunk))
+            self.send(frame(DATA, END_STREAM if end and i == len(chunks) - 1 else 0, stream, chunk))
+
+    def call(self, stream: int, path: str, body: bytes, extra=(), content_type="application/grpc", end=True):
+        self.send(frame(HEADERS, END_HEADERS, stream, request_block(path, content_type, extra)))
+        self.send_data(stream, body, end)
+
+    async def read(self) -> bool:
+        """Take in the next frame; False once the server closed the connection."""
+        try:
+            head = await self.reader.readexactly(9)
+            length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
+            payload = await self.reader.readexactly(length)
+        except asyncio.IncompleteReadError:
+            self.closed = True
+            return False
+        assert length <= FRAME_LIMIT, f"frames of at most {FRAME_LIMIT} bytes (our limit), got {length}"
+        self._take(kind, flags, int.from_bytes(head[5:], "big") & 0x7FFFFFFF, payload)
+        return True
+
+    def _take(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+        if kind == SETTINGS and flags & ACK:
+            self.settings_acked = True
+        elif kind == SETTINGS:
+            self.server_settings = dict(struct.iter_unpack(">HI", payload))
+            self.peer_initial = self.server_settings.get(INITIAL_WINDOW_SIZE, self.peer_initial)
+        elif kind == WINDOW_UPDATE:
+            self.out[stream] = self.out.get(stream, self.peer_initial) + (int.from_bytes(payload, "big") & 0x7FFFFFFF)
+        elif kind == PING and flags & ACK:
+            self.pings.append(payload)
+        elif kind == GOAWAY:
+            self.goaway = struct.unpack(">II", payload[:8])
+        elif kind == RST_STREAM:
+            self.resets[stream] = int.from_bytes(payload, "big")
+        elif kind == HEADERS:
+            assert flags & END_HEADERS, f"the server's header blocks fit one frame (END_HEADERS), flags {flags:#x}"
+            self.blocks[stream].append(dict(self.decoder.decode(payload)))
+        elif kind == DATA:
+            left = min(self.into[0], self.into.get(stream, self.recv_initial))
+            assert len(payload) <= left, f"DATA within our windows: {len(payload)} bytes on {stream}, {left} open"
+            self.into[0] -= len(payload)
+            self.into[stream] = self.into.get(stream, self.recv_initial) - len(payload)
+            self.data[stream] += payload
+        if kind in (DATA, HEADERS) and flags & END_STREAM:
+            self.ended[stream] = kind
+
+    async def until(self, done, what: str) -> None:
+        async def loop():
+            while not done():
+                assert await self.read() or done(), \
+                    f"expected {what} before the server closed the connection ({self.goaway=})"
+        await wait(loop(), what)
+
+    async def until_closed(self) -> None:
+        await self.until(lambda: self.closed, "the server to close the connection")
+
+    async def sync(self) -> None:
+        """A PING round trip: whatever the server wrote before answering it has been read."""
+        token = next(self.tokens).to_bytes(8, "big")
+        self.send(frame(PING, 0, 0, token))
+        await self.until(lambda: token in self.pings, "the ACK of our PING")
+
+    async def answer(self, stream: int) -> SimpleNamespace:
+        await self.until(lambda: stream in self.ended or stream in self.resets, f"the end of stream {stream}")
+        return SimpleNamespace(blocks=self.blocks[stream], data=bytes(self.data[stream]), end=self.ended.get(stream),
+                               reset=self.resets.get(stream), trailers=(self.blocks[stream] or [{}])[-1])
+
+
+async def unary(client: Client, stream: int, path: str, body: bytes, **kwargs) -> SimpleNamespace:
+    client.call(stream, path, message(body), **kwargs)
+    return await client.answer(stream)
+
+
+def answered(answer, data: bytes) -> None:
+    """Headers (:status 200), ``data``, then trailers with grpc-status 0 ending the stream."""
+    assert [b.get(":status") for b in answer.blocks] == ["200", None], f"headers, then trailers: {answer.blocks}"
+    assert answer.blocks[0].get("content-type") == "application/grpc", f"a gRPC content-type: {answer.blocks[0]}"
+    assert answer.data == data, f"the DATA {data[:40]!r}... ({len(data)} bytes), got {answer.data[:40]!r}..."
+    assert answer.trailers.get("grpc-status") == "0", f"grpc-status 0 in the trailers: {answer.trailers}"
+    assert answer.end == HEADERS and answer.reset is None, \
+        f"END_STREAM on the trailers' HEADERS, no RST_STREAM: ended by frame type {answer.end}, reset {answer.reset}"
+
+
+async def test_a_unary_call_frame_by_frame_with_settings_and_ping(server):
+    client = await Client.connect(server.port)
+    assert client.server_settings.get(INITIAL_WINDOW_SIZE, 0) > DEFAULT_WINDOW, \
+        f"the server's SETTINGS open each stream's window past the default: {client.server_settings}"
+    assert client.out[0] > DEFAULT_WINDOW, "the server's WINDOW_UPDATE opens the connection's window"
+    assert client.settings_acked, "our SETTINGS are ACKed"
+    client.send(frame(PING, 0, 0, b"pingpong"))
+    answered(await unary(client, 1, ECHO, b"hello"), message(b"hello"))
+    assert client.pings == [b"pingpong"], f"the PING answered with ACK and its 8 bytes: {client.pings}"
+
+
+async def test_a_stream_answers_each_message_as_it_comes(server):
+    client = await Client.connect(server.port)
+    client.call(1, CHAT, message(b"one"), end=False)
+    first = message(b"re: one")
+    await client.until(lambda: len(client.data[1]) >= len(first), "the first answer of the stream")
+    assert client.data[1] == first and 1 not in client.ended, "the first answer, the stream still open"
+    client.send_data(1, message(b"two"), end=True)
+    answered(await client.answer(1), first + message(b"re: two"))
+
+
+async def test_the_server_sends_no_more_than_the_windows_allow(server):
+    # Our windows: 1000 bytes a stream, 65535 the connection; Client._take checks every DATA frame.
+    client = await Client.connect(server.port, window=1000, connection_window=0)
+    size = 200_000
+    client.call(1, BIG, message(str(size).encode()))
+    await client.until(lambda: len(client.data[1]) >= 1000, "the first 1000 bytes of the answer")
+    await client.sync()
+    assert len(client.data[1]) == 1000, f"1000 bytes (the stream's window) sent, got {len(client.data[1])}"
+    client.grant(1, 150_000)
+    await client.until(lambda: len(client.data[1]) >= DEFAULT_WINDOW, "the rest of the connection's window")
+    await client.sync()
+    assert len(client.data[1]) == DEFAULT_WINDOW and 1 not in client.ended, \
+        f"{DEFAULT_WINDOW} bytes (the connection's window) sent, no trailers yet: got {len(client.data[1])}"
+    client.grant(0, 200_000)
+    client.grant(1, 100_000)
+    answered(await client.answer(1), message(pattern(size)))  # the trailers once all the data went out
+
+
+async def test_a_request_above_the_default_window_is_taken(server):
+    client = await Client.connect(server.port)
+    body = pattern(100_000)
+    assert min(client.out[0], client.peer_initial) >= len(body) + 5, \
+        f"the server's SETTINGS and WINDOW_UPDATE let a {len(body)}-byte message in: {client.out[0]} " \
+        f"(connection) and {client.peer_initial} (stream) open"
+    answered(await unary(client, 1, ECHO, body), message(body))  # Client.spend checks the windows
+
+
+async def test_a_split_padded_prioritized_header_block_and_padded_data(server):
+    client = await Client.connect(server.port)
+    client.send(frame(PRIORITY, 0, 1, struct.pack(">IB", 0, 200)) + frame(0x20, 0, 0, b"an unknown frame type"))
+    block, pad = request_block(ECHO), 7
+    first = bytes((pad,)) + struct.pack(">IB", 0, 15) + block[:10] + bytes(pad)  # pad length, priority, block, pad
+    client.send(frame(HEADERS, PADDED | WITH_PRIORITY, 1, first) + frame(CONTINUATION, 0, 1, block[10:30])
+                + frame(CONTINUATION, END_HEADERS, 1, block[30:]))
+    data = bytes((3,)) + message(b"padded") + bytes(3)
+    client.spend(1, len(data))
+    client.send(frame(DATA, PADDED | END_STREAM, 1, data))
+    answered(await client.answer(1), message(b"padded"))
+
+
+async def test_rst_stream_cancels_the_call_and_the_connection_goes_on(server):
+    client = await Client.connect(server.port)
+    client.call(1, WAIT, message(b""))
+    await wait(server.state.started.wait(), "the handler to start")
+    client.send(frame(RST_STREAM, 0, 1, struct.pack(">I", 0x8)))  # CANCEL
+    await wait(server.state.cancelled.wait(), "the handler to see CancelledError")
+    answered(await unary(client, 3, ECHO, b"next"), message(b"next"))
+    assert not client.blocks[1] and not client.data[1] and not client.closed, \
+        f"nothing answered on the reset stream, the connection open: {client.blocks[1]}, {client.closed=}"
+
+
+REFUSALS = {  # what -> (path, headers added, the DATA, grpc-status)
+    "an unknown path": ("/toy.Toy/Nope", (), message(b"hi"), 12),
+    "a compressed message": (ECHO, (), message(b"hi", flag=1), 12),
+    "grpc-encoding gzip": (ECHO, (("grpc-encoding", "gzip"),), message(b"hi"), 12),
+    "a message above max_message": (ECHO, (), message(bytes(MAX_MESSAGE + 1)), 8),
+    "two messages on a unary call": (ECHO, (), message(b"a") + message(b"b"), 13),
+    "a message cut short": (ECHO, (), message(b"hello")[:-2], 13),
+    "an invalid grpc-timeout": (ECHO, (("grpc-timeout", "10x"),), message(b"hi"), 3),
+    "a refused caller": (ECHO, (("x-deny", "yes"),), message(b"hi"), 16),
+}
+
+
+@pytest.mark.parametrize("what", REFUSALS)
+async def test_a_refused_call_is_answered_trailers_only(server, what):
+    path, extra, body, code = REFUSALS[what]
+    client = await Client.connect(server.port)
+    client.call(1, path, body, extra)
+    answer = await client.answer(1)
+    assert len(answer.blocks) == 1 and answer.end == HEADERS and not answer.data, \
+        f"one HEADERS frame ending the stream (trailers-only) for {what}: {answer.blocks}, {answer.data[:20]!r}"
+    assert answer.trailers.get(":status") == "200" and answer.trailers.get("grpc-status") == str(code), \
+        f":status 200 and grpc-status {code} for {what}: {answer.trailers}"
+    assert answer.trailers.get("grpc-message"), f"a grpc-message saying why: {answer.trailers}"
+    answered(await unary(client, 3, ECHO, b"after"), message(b"after"))  # the connection goes on
+
+
+async def test_a_handler_abort_keeps_its_code_and_percent_encodes_its_message(server):
+    client = await Client.connect(server.port)
+    text = "100% sure: café"
+    for stream, said in ((1, "x"), (3, text)):
+        answer = await unary(client, stream, FAIL, said.encode())
+        assert len(answer.blocks) == 1 and answer.trailers.get("grpc-status") == "5", \
+            f"trailers-only with grpc-status 5 (NOT_FOUND): {answer.blocks}"
+        raw = answer.trailers.get("grpc-message", "")
+        assert raw.isascii() and urllib.parse.unquote(raw) == said, f"grpc-message {said!r} percent-encoded: {raw!r}"
+    assert raw == "100%25 sure: caf%C3%A9", f"'%' and non-ASCII bytes as %XX, the rest as is: {raw!r}"
+
+
+async def test_a_request_that_is_not_grpc_is_http_415(server):
+    client = await Client.connect(server.port)
+    answer = await unary(client, 1, ECHO, b"{}", content_type="application/json")
+    assert answer.blocks == [{":status": "415"}] and answer.end == HEADERS, \
+        f"one HEADERS frame, :status 415, ending the stream: {answer.blocks}"
+
+
+async def test_trailers_on_a_refused_stream_leave_the_connection_alone(server):
+    # HTTP/2 lets a client end its side with trailers; the stream was answered already: nothing to do.
+    client = await Client.connect(server.port)
+    answer = await unary(client, 1, "/toy.Toy/Nope", b"hi", end=False)
+    assert answer.trailers.get("grpc-status") == "12", answer.blocks
+    client.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, literal("x-trailer", "1")))
+    answered(await unary(client, 3, ECHO, b"next"), message(b"next"))
+    assert client.goaway is None and not client.closed, f"the connection goes on: {client.goaway}"
+
+
+async def test_a_zero_window_increment_on_a_stream_resets_only_that_stream(server):
+    client = await Client.connect(server.port)
+    client.call(1, WAIT, message(b""))
+    await wait(server.state.started.wait(), "the handler to start")
+    client.send(frame(WINDOW_UPDATE, 0, 1, bytes(4)))
+    assert (await client.answer(1)).reset == 0x1, "RST_STREAM PROTOCOL_ERROR on the stream"
+    await wait(server.state.cancelled.wait(), "the reset stream's handler to be cancelled")
+    answered(await unary(client, 3, ECHO, b"next"), message(b"next"))
+
+
+OPENING = PREFACE + frame(SETTINGS, 0, 0)
+CONNECTION_ERRORS = {  # what -> (bytes sent, GOAWAY's error code)
+    "a bad preface": (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 0x1),
+    "DATA on stream 0": (OPENING + frame(DATA, 0, 0, b"x"), 0x1),
+    "a frame above 16384 bytes": (OPENING + frame(DATA, 0, 1, length=FRAME_LIMIT + 1), 0x6),
+    "HEADERS on an even stream": (OPENING + frame(HEADERS, END_HEADERS | END_STREAM, 2, request_block(ECHO)), 0x1),
+    "an undecodable header block": (OPENING + frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\xfe"), 0x9),
+    "a short RST_STREAM": (OPENING + frame(RST_STREAM, 0, 1, b"\0\0"), 0x6),
+    "RST_STREAM on stream 0": (OPENING + frame(RST_STREAM, 0, 0, bytes(4)), 0x1),
+}
+
+
+@pytest.mark.parametrize("what", CONNECTION_ERRORS)
+async def test_a_connection_error_is_answered_with_goaway(server, what):
+    sent, code = CONNECTION_ERRORS[what]
+    client = await Client.open(server.port)
+    client.send(sent)  # only what the server reads before it fails: no unread bytes make its close a reset
+    await client.until_closed()
+    assert client.goaway == (0, code), f"GOAWAY (last stream 0, error code {code:#x}) for {what}, got {client.goaway}"
+    answered(await unary(await Client.connect(server.port), 1, ECHO, b"next"), message(b"next"))
+
+
+async def test_drain_answers_the_call_in_flight_and_refuses_new_streams():
+    state = toy_state()
+    grpc = GrpcServer(None, Settings(grpc_port=free_port(), max_body_bytes=MAX_MESSAGE))
+    grpc.methods = toy_methods(state)  # the real server's drain, over toy methods
+    await grpc.start()
+    try:
+        client = await Client.connect(grpc.port)
+        client.call(1, WAIT, message(b""))
+        await wait(state.started.wait(), "the handler to start")
+        grpc.drain(grace_s=T)
+        await client.until(lambda: client.goaway is not None, "GOAWAY")
+        assert client.goaway == (1, 0), f"GOAWAY NO_ERROR with last stream 1 (the call in flight): {client.goaway}"
+        client.call(3, ECHO, message(b"late"))
+        late = await client.answer(3)
+        assert late.reset == 0x7 and not late.blocks and not client.closed, \
+            f"a stream after GOAWAY reset REFUSED_STREAM (7), the connection open: {late}, {client.closed=}"
+        state.release.set()
+        answered(await client.answer(1), message(b"released"))
+        await client.until_closed()
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", grpc.port)  # no new connection once draining
+    finally:
+        state.release.set()  # a failed assertion above must not hold the stop for the grace period
+        await wait(grpc.stop(1.0), "the server to stop")
+
+
+@pytest.mark.parametrize("value, seconds", [("100m", 0.1), ("2S", 2.0), ("1H", 3600.0), ("3M", 180.0),
+                                            ("250u", 250e-6), ("99999999n", 0.099999999)])
+def test_grpc_timeout_parses(value, seconds):
+    assert grpc_calls.grpc_timeout(value) == pytest.approx(seconds), f"grpc-timeout {value!r} is {seconds} s"
+
+
+@pytest.mark.parametrize("value", ["", "m", "123456789m", "10x", "-1S", "1.5S", "10"])
+def test_grpc_timeout_rejects(value):
+    with pytest.raises(grpc_calls.Abort) as refused:
+        grpc_calls.grpc_timeout(value)
+    assert refused.value.code == "INVALID_ARGUMENT", f"{value!r} refused INVALID_ARGUMENT, got {refused.value.code}"
