@@ -13,22 +13,15 @@ from hpack import Decoder
 from hpack.exceptions import HPACKError
 
 from bench.loadgen import IO_TIMEOUT_S
+from fusedserve.service.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
+                                        PADDED, PING, PREFACE, RST_STREAM, SETTINGS, WINDOW_UPDATE, WITH_PRIORITY,
+                                        changes_table, frame)
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
-# HTTP/2 (RFC 9113) for the raw gRPC client: the frame types and flags it uses, and its stream window.
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
-END_STREAM = ACK = 0x1
-END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 STREAM_WINDOW = 1 << 24
 WINDOW_RETURN = 1 << 20  # received DATA bytes given back to the server's send window at a time
-
-
-def h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    """One HTTP/2 frame: 3-byte length and type (one big-endian word), flags, stream id, payload."""
-    return struct.pack(">IBI", len(payload) << 8 | kind, flags, stream) + payload
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, int, bytes]:
@@ -76,39 +69,6 @@ def take_message(buf: bytearray) -> bytes | None:
     return message
 
 
-def _hpack_int(block: bytes, i: int, bits: int) -> tuple[int, int]:
-    """The HPACK integer at ``block[i]`` with a ``bits``-bit prefix (RFC 7541 5.1), and the index past it."""
-    mask = (1 << bits) - 1
-    value, i = block[i] & mask, i + 1
-    if value < mask:
-        return value, i
-    shift = 0
-    while True:  # continuation bytes, 7 bits each, low first; the last has its top bit clear
-        byte, i = block[i], i + 1
-        value += (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, i
-
-
-def changes_table(block: bytes) -> bool:
-    """Whether an HPACK block adds to or resizes the decoder's dynamic table (RFC 7541 6): any literal
-    with incremental indexing (01......) or size update (001.....); indexed fields and literals without
-    indexing or never indexed leave it as it is."""
-    i = 0
-    while i < len(block):
-        if block[i] & 0x80:  # indexed field
-            i = _hpack_int(block, i, 7)[1]
-        elif block[i] & 0x60:
-            return True
-        else:  # literal: a name index (4-bit prefix), the name itself when that is 0, the value
-            index, i = _hpack_int(block, i, 4)
-            for _ in range(1 if index else 2):
-                n, i = _hpack_int(block, i, 7)
-                i += n
-    return False
-
-
 class H2Connection:
     """One raw HTTP/2 connection to a gRPC server. It answers the connection's own frames as they come
     (SETTINGS, PING, flow control) and decodes header blocks, in order, with one HPACK decoder: the
@@ -139,14 +99,14 @@ class H2Connection:
             if kind in (RST_STREAM, GOAWAY):
                 return kind, flags, stream, payload
             if kind == SETTINGS and not flags & ACK:
-                self.writer.write(h2_frame(SETTINGS, ACK, 0))
+                self.writer.write(frame(SETTINGS, ACK, 0))
             elif kind == PING and not flags & ACK:
-                self.writer.write(h2_frame(PING, ACK, 0, payload))
+                self.writer.write(frame(PING, ACK, 0, payload))
             # WINDOW_UPDATE, PRIORITY, ACKs: nothing to do (the requests are far below any window)
 
     async def _headers(self, flags: int, payload: bytes) -> dict:
         """A HEADERS frame's block with its CONTINUATIONs, decoded."""
-        block = _unpad(flags, payload)[5 if flags & PRIORITY_FLAG else 0:]
+        block = _unpad(flags, payload)[5 if flags & WITH_PRIORITY else 0:]
         while not flags & END_HEADERS:
             kind, flags, _, more = await read_frame(self.reader)
             if kind != CONTINUATION:
@@ -176,8 +136,8 @@ class H2Connection:
         self.unreturned += n
         if self.unreturned > WINDOW_RETURN:
             grant = struct.pack(">I", self.unreturned)
-            self.writer.write(h2_frame(WINDOW_UPDATE, 0, 0, grant)
-                              + (h2_frame(WINDOW_UPDATE, 0, self.stream, grant) if self.stream else b""))
+            self.writer.write(frame(WINDOW_UPDATE, 0, 0, grant)
+                              + (frame(WINDOW_UPDATE, 0, self.stream, grant) if self.stream else b""))
             self.unreturned = 0
 
     async def receive(self, stream: int, to_end: bool) -> tuple[bytes | None, str | None]:
@@ -216,7 +176,7 @@ async def h2_connect(port: int, path: str) -> H2Connection:
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), IO_TIMEOUT_S)
     settings = struct.pack(">HIHI", 0x2, 0, 0x4, STREAM_WINDOW)  # ENABLE_PUSH, INITIAL_WINDOW_SIZE
     opened = struct.pack(">I", (1 << 31) - 1 - 65535)  # from the initial 65535 to 2^31 - 1
-    writer.write(PREFACE + h2_frame(SETTINGS, 0, 0, settings) + h2_frame(WINDOW_UPDATE, 0, 0, opened))
+    writer.write(PREFACE + frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, opened))
     return H2Connection(reader, writer, request_block(port, path))
 
 
@@ -243,8 +203,8 @@ async def raw_unary_client(port: int, messages: list[bytes], deadline: float, la
                 conn, stream = await h2_connect(port, METHOD), 1
             t0 = time.perf_counter()
             conn.body.clear()
-            conn.writer.write(h2_frame(HEADERS, END_HEADERS, stream, conn.block)
-                              + h2_frame(DATA, END_STREAM, stream, messages[i % len(messages)]))
+            conn.writer.write(frame(HEADERS, END_HEADERS, stream, conn.block)
+                              + frame(DATA, END_STREAM, stream, messages[i % len(messages)]))
             message, error = await asyncio.wait_for(conn.receive(stream, to_end=True), IO_TIMEOUT_S)
             _record(t0, message, error, latencies, errors, answers)
             stream, i = stream + 2, i + 1
@@ -256,7 +216,7 @@ async def _open_stream(port: int) -> H2Connection:
     """A raw connection with one ModelStreamInfer stream (id 1) open: its HEADERS, no END_STREAM."""
     conn = await h2_connect(port, STREAM_METHOD)
     conn.stream = 1
-    conn.writer.write(h2_frame(HEADERS, END_HEADERS, 1, conn.block))
+    conn.writer.write(frame(HEADERS, END_HEADERS, 1, conn.block))
     return conn
 
 
@@ -270,7 +230,7 @@ async def raw_stream_client(port: int, messages: list[bytes], deadline: float, l
     try:
         while time.monotonic() < deadline:
             t0 = time.perf_counter()
-            conn.writer.write(h2_frame(DATA, 0, 1, messages[i % len(messages)]))
+            conn.writer.write(frame(DATA, 0, 1, messages[i % len(messages)]))
             message, error = await asyncio.wait_for(conn.receive(1, to_end=False), IO_TIMEOUT_S)
             if error:
                 conn.close()
@@ -279,6 +239,6 @@ async def raw_stream_client(port: int, messages: list[bytes], deadline: float, l
                 error = pb.ModelStreamInferResponse.FromString(message).error_message or None
             _record(t0, message, error, latencies, errors, answers)
             i += 1
-        conn.writer.write(h2_frame(DATA, END_STREAM, 1))
+        conn.writer.write(frame(DATA, END_STREAM, 1))
     finally:
         conn.close()

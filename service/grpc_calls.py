@@ -96,8 +96,9 @@ class NotGrpc(Exception):
 COMPRESSED = "compressed messages are not served: send them uncompressed"
 
 
-def open_call(methods: dict[str, Method], refuse, headers, now: float) -> tuple[Method, CallContext]:
-    """The method and context of a call opened with ``headers``; Abort says why it is refused."""
+def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, float | None, tuple]:
+    """The method, timeout (seconds, or None) and metadata of a call opened with ``headers``; Abort
+    says why it is refused. The same headers always give the same answer (a connection caches it)."""
     fields = dict(headers)
     if fields.get(":method") != "POST" or not fields.get("content-type", "").startswith("application/grpc"):
         raise NotGrpc()
@@ -114,7 +115,7 @@ def open_call(methods: dict[str, Method], refuse, headers, now: float) -> tuple[
     if fields.get("grpc-encoding", "identity") not in ("identity", ""):
         raise Abort("UNIMPLEMENTED", COMPRESSED)
     timeout = fields.get("grpc-timeout")
-    return method, CallContext(None if timeout is None else now + grpc_timeout(timeout), metadata)
+    return method, None if timeout is None else grpc_timeout(timeout), metadata
 
 
 def take_messages(body: bytearray) -> list[bytes]:

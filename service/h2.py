@@ -18,32 +18,20 @@ from hpack import Decoder
 from hpack.exceptions import HPACKError
 
 from fusedserve.service import grpc_calls as calls
+from fusedserve.service.h2_wire import (ACK, CONTINUATION, DATA, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY,
+                                        HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE,
+                                        MAX_HEADER_LIST_SIZE, MAX_WINDOW, NO_ERROR, PADDED, PING, PREFACE,
+                                        PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTINGS, U32,
+                                        WINDOW_UPDATE, WITH_PRIORITY, COMPRESSION_ERROR, FLOW_CONTROL_ERROR,
+                                        FRAME_SIZE_ERROR, changes_table, frame)
 
 log = logging.getLogger("fusedserve")
 
-# Frame types and flags (RFC 9113 section 6).
-DATA, HEADERS, _PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM = ACK = 0x1
-END_HEADERS, PADDED, WITH_PRIORITY = 0x4, 0x8, 0x20
-# Error codes (section 7).
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 0x0, 0x1, 0x3, 0x6, 0x7, 0x9
-# Settings identifiers.
-MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE = 0x3, 0x4, 0x5, 0x6
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DEFAULT_WINDOW = 65535
-MAX_WINDOW = 2**31 - 1
 FRAME_LIMIT = 16384  # the largest frame we accept: the protocol's default, never raised
 RECV_WINDOW = 1 << 24  # what a client may send, per stream and per connection, before we say we read it
 MAX_STREAMS = 1024  # calls open at once on one connection
 MAX_HEADER_LIST = 1 << 16
-_U32 = struct.Struct(">I")
-_HEAD = struct.Struct(">BHBBI")  # a frame header: length (24 bits, split 8 + 16), type, flags, stream
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return _HEAD.pack(n >> 16, n & 0xFFFF, kind, flags, stream) + payload
+OPENED_CACHE = 64  # header blocks remembered per connection (a client sends the same few again and again)
 
 
 class H2Error(Exception):
@@ -93,6 +81,7 @@ class Connection(asyncio.Protocol):
         self.peer_frame = FRAME_LIMIT
         self.unread = 0  # bytes received since the last connection WINDOW_UPDATE
         self.block: tuple[int, int, bytearray] | None = None  # a header block awaiting CONTINUATION
+        self.opened: dict[bytes, tuple] = {}  # header block -> open_call's answer, while the table holds
         self.blocked: dict[int, Stream] = {}  # streams with data waiting for a window
         self.failed = False  # a connection error was answered: nothing more is read
         self._out: list[bytes] = []
@@ -103,7 +92,7 @@ class Connection(asyncio.Protocol):
         settings = b"".join(struct.pack(">HI", key, value) for key, value in (
             (MAX_CONCURRENT_STREAMS, MAX_STREAMS), (INITIAL_WINDOW_SIZE, RECV_WINDOW),
             (MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
-        self.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, _U32.pack(RECV_WINDOW - DEFAULT_WINDOW)))
+        self.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, U32.pack(RECV_WINDOW - DEFAULT_WINDOW)))
         if self.server.draining:
             self.go_away()
 
@@ -175,7 +164,7 @@ class Connection(asyncio.Protocol):
                 if size - pos < 9 + length:
                     break
                 kind, flags = buffer[pos + 3], buffer[pos + 4]
-                stream_id = _U32.unpack_from(buffer, pos + 5)[0] & 0x7FFFFFFF
+                stream_id = U32.unpack_from(buffer, pos + 5)[0] & 0x7FFFFFFF
                 payload = bytes(buffer[pos + 9:pos + 9 + length])
                 pos += 9 + length
                 self._frame(kind, flags, stream_id, payload)
@@ -241,7 +230,7 @@ class Connection(asyncio.Protocol):
     def _window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
             raise H2Error(FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame is 4 bytes")
-        increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
+        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
         if stream_id == 0:
             if not increment:
                 raise H2Error(PROTOCOL_ERROR, "a zero window increment")
@@ -252,7 +241,7 @@ class Connection(asyncio.Protocol):
             stream.send_window += increment
             if not increment or stream.send_window > MAX_WINDOW:
                 self._reset(stream_id)
-                self.write(frame(RST_STREAM, 0, stream_id, _U32.pack(PROTOCOL_ERROR if not increment
+                self.write(frame(RST_STREAM, 0, stream_id, U32.pack(PROTOCOL_ERROR if not increment
                                                                       else FLOW_CONTROL_ERROR)))
         self._resume()
 
@@ -286,10 +275,9 @@ class Connection(asyncio.Protocol):
     def _header_block_done(self) -> None:
         stream_id, flags, block = self.block
         self.block = None
-        try:  # every block is decoded, refused or not: the decoder's table must follow the client's
-            headers = self.decoder.decode(bytes(block))
-        except HPACKError as exc:
-            raise H2Error(COMPRESSION_ERROR, f"a header block does not decode: {exc}") from None
+        block = bytes(block)
+        opened = self.opened.get(block)  # a block seen before that left the table alone: no decoding
+        headers = self._decode(block) if opened is None else None
         if stream_id in self.streams:  # trailers from the client end its side
             if flags & END_STREAM:
                 self._received(self.streams[stream_id], ended=True)
@@ -298,19 +286,33 @@ class Connection(asyncio.Protocol):
             return
         self.last_id = stream_id
         if (self.goaway_id is not None and stream_id > self.goaway_id) or len(self.streams) >= MAX_STREAMS:
-            self.write(frame(RST_STREAM, 0, stream_id, _U32.pack(REFUSED_STREAM)))
+            self.write(frame(RST_STREAM, 0, stream_id, U32.pack(REFUSED_STREAM)))
             return
-        self._open(stream_id, flags, headers)
+        self._open(stream_id, flags, block, headers, opened)
 
-    def _open(self, stream_id: int, flags: int, headers) -> None:
-        try:
-            method, context = calls.open_call(self.server.methods, self.server.refuse, headers, self.loop.time())
-        except calls.NotGrpc:
-            self.write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, b"\x00\x07:status\x03415"))
-            return
-        except calls.Abort as abort:
-            self.trailers_only(stream_id, abort.code, abort.message)
-            return
+    def _decode(self, block: bytes) -> list:
+        try:  # every block that changes the table is decoded, refused or not: ours must follow the client's
+            headers = self.decoder.decode(block)
+        except HPACKError as exc:
+            raise H2Error(COMPRESSION_ERROR, f"a header block does not decode: {exc}") from None
+        if changes_table(block):
+            self.opened.clear()
+        return headers
+
+    def _open(self, stream_id: int, flags: int, block: bytes, headers, opened) -> None:
+        if opened is None:
+            try:
+                opened = calls.open_call(self.server.methods, self.server.refuse, headers)
+            except calls.NotGrpc:
+                self.write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, b"\x00\x07:status\x03415"))
+                return
+            except calls.Abort as abort:
+                self.trailers_only(stream_id, abort.code, abort.message)
+                return
+            if len(self.opened) < OPENED_CACHE and not changes_table(block):
+                self.opened[block] = opened
+        method, timeout, metadata = opened
+        context = calls.CallContext(None if timeout is None else self.loop.time() + timeout, metadata)
         stream = Stream(stream_id, method, self.peer_window, context)
         self.streams[stream_id] = stream
         if method.streaming:
@@ -323,15 +325,15 @@ class Connection(asyncio.Protocol):
             raise H2Error(PROTOCOL_ERROR, "DATA on stream 0")
         self.unread += len(payload)
         if self.unread >= RECV_WINDOW // 2:
-            self.write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.unread)))
+            self.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.unread)))
             self.unread = 0
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed:  # answered, reset, or refused already: drop
             return
         stream.body += self._unpad(flags, payload)
         if len(stream.body) > self.server.max_message + 5:
-            self.finish(stream, "RESOURCE_EXHAUSTED", f"the request message is larger than the server's "
-                                                       f"limit of {self.server.max_message} bytes")
+            self._refuse(stream, calls.Abort("RESOURCE_EXHAUSTED", f"the request message is larger than the "
+                                                                  f"server's limit of {self.server.max_message} bytes"))
             return
         if stream.inbox is not None or flags & END_STREAM:
             self._received(stream, ended=bool(flags & END_STREAM))
@@ -339,7 +341,7 @@ class Connection(asyncio.Protocol):
                 return
         stream.unread += len(payload)
         if stream.unread >= RECV_WINDOW // 2:
-            self.write(frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(stream.unread)))
+            self.write(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(stream.unread)))
             stream.unread = 0
 
     def _received(self, stream: Stream, ended: bool) -> None:
@@ -359,7 +361,13 @@ class Connection(asyncio.Protocol):
                     raise calls.Abort("INTERNAL", "a unary call carries exactly one whole request message")
                 stream.task = self.loop.create_task(calls.unary_call(self, stream, messages[0]))
         except calls.Abort as abort:
-            self.finish(stream, abort.code, abort.message)
+            self._refuse(stream, abort)
+
+    def _refuse(self, stream: Stream, abort: calls.Abort) -> None:
+        """End a call on what it sent, its handler (a stream's, running) cancelled."""
+        self.finish(stream, abort.code, abort.message)
+        if stream.task is not None:
+            stream.task.cancel()
 
     def trailers_only(self, stream_id: int, code: str, message: str) -> None:
         self.write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, calls.RESPONSE_HEADERS + calls.status_block(code, message)))
@@ -370,7 +378,7 @@ class Connection(asyncio.Protocol):
         if not stream.headed:
             stream.headed = True
             self.write(frame(HEADERS, END_HEADERS, stream.id, calls.RESPONSE_HEADERS))
-        data = b"\x00" + _U32.pack(len(message)) + message
+        data = b"\x00" + U32.pack(len(message)) + message
         if not stream.out and len(data) <= min(self.send_window, stream.send_window, self.peer_frame):
             self.send_window -= len(data)
             stream.send_window -= len(data)
@@ -413,9 +421,7 @@ class Connection(asyncio.Protocol):
         # Answered before the client finished sending: ask it to stop (RFC 9113 section 8.1).
         if not stream.remote_closed:
             stream.remote_closed = True
-            self.write(frame(RST_STREAM, 0, stream.id, _U32.pack(NO_ERROR)))
-        if stream.task is not None and stream.task is not asyncio.current_task():
-            stream.task.cancel()
+            self.write(frame(RST_STREAM, 0, stream.id, U32.pack(NO_ERROR)))
 
     def _resume(self) -> None:
         for stream in list(self.blocked.values()):

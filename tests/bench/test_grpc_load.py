@@ -10,9 +10,9 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from bench.grpc_load import CannedProcess, drive_raw, grpc_requests, http_requests, rows, summarize
-from bench.h2_client import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, HEADERS, PADDED, PING, SETTINGS,
-                             WINDOW_UPDATE, H2Connection, _hpack_int, changes_table, grpc_message, h2_frame,
-                             request_block)
+from bench.h2_client import H2Connection, grpc_message, request_block
+from fusedserve.service.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, HEADERS, PADDED, PING,
+                                        SETTINGS, WINDOW_UPDATE, changes_table, frame, hpack_int)
 from fusedserve.service import grpc_codec
 from fusedserve.service.state import ModelInfo
 
@@ -64,7 +64,7 @@ def test_the_request_block_is_the_same_valid_bytes_on_every_stream():
 
 
 def test_hpack_blocks_that_change_the_table_are_told_from_those_that_do_not():
-    assert _hpack_int(bytes([0b11111, 0b10011010, 0b00001010]), 0, 5) == (1337, 3)  # RFC 7541 C.1.2
+    assert hpack_int(bytes([0b11111, 0b10011010, 0b00001010]), 0, 5) == (1337, 3)  # RFC 7541 C.1.2
     encoder = hpack.Encoder()
     headers = [(":status", "200"), ("content-type", "application/grpc"), ("x-long", "v" * 300)]
     assert changes_table(encoder.encode(headers))  # literals with incremental indexing
@@ -109,12 +109,12 @@ async def test_frames_split_across_reads_with_continuations_pings_and_an_indexin
     again = encoder.encode([(":status", "200"), ("content-type", "application/grpc")])  # from the dynamic table
     failed = encoder.encode([("grpc-status", "13"), ("grpc-message", "boom")])
     answer = grpc_message(b"answer")
-    wire = (h2_frame(SETTINGS, 0, 0, struct.pack(">HI", 3, 100)) + h2_frame(PING, 0, 0, b"12345678")
-            + h2_frame(HEADERS, 0, 1, head[:2]) + h2_frame(CONTINUATION, END_HEADERS, 1, head[2:])
-            + h2_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1000)) + h2_frame(PING, ACK, 0, b"87654321")
-            + h2_frame(DATA, PADDED, 1, bytes([3]) + answer + bytes(3))
-            + h2_frame(HEADERS, END_HEADERS | END_STREAM, 1, ok)
-            + h2_frame(HEADERS, END_HEADERS | END_STREAM, 3, again + failed))  # a trailers-only error
+    wire = (frame(SETTINGS, 0, 0, struct.pack(">HI", 3, 100)) + frame(PING, 0, 0, b"12345678")
+            + frame(HEADERS, 0, 1, head[:2]) + frame(CONTINUATION, END_HEADERS, 1, head[2:])
+            + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1000)) + frame(PING, ACK, 0, b"87654321")
+            + frame(DATA, PADDED, 1, bytes([3]) + answer + bytes(3))
+            + frame(HEADERS, END_HEADERS | END_STREAM, 1, ok)
+            + frame(HEADERS, END_HEADERS | END_STREAM, 3, again + failed))  # a trailers-only error
     reader, sink = asyncio.StreamReader(), _Sink()
     conn = H2Connection(reader, sink, b"")
     call = asyncio.create_task(conn.receive(1, to_end=True))
@@ -122,7 +122,7 @@ async def test_frames_split_across_reads_with_continuations_pings_and_an_indexin
     assert await asyncio.wait_for(call, 5) == (b"answer", None)
     assert await asyncio.wait_for(conn.receive(3, to_end=True), 5) == (None, "grpc-status 13: boom")
     # SETTINGS acknowledged and the PING answered with its 8 bytes; the PING ACK and WINDOW_UPDATE left alone
-    assert bytes(sink.sent) == h2_frame(SETTINGS, ACK, 0) + h2_frame(PING, ACK, 0, b"12345678")
+    assert bytes(sink.sent) == frame(SETTINGS, ACK, 0) + frame(PING, ACK, 0, b"12345678")
     assert not conn.dead
 
 
@@ -130,10 +130,10 @@ async def test_a_stream_answer_is_one_message_and_goaway_or_a_lost_connection_ma
     reader, sink = asyncio.StreamReader(), _Sink()
     conn = H2Connection(reader, sink, b"")
     two = grpc_message(b"first") + grpc_message(b"second")
-    await _feed(reader, h2_frame(DATA, 0, 1, two[:9]) + h2_frame(DATA, 0, 1, two[9:]), 4)
+    await _feed(reader, frame(DATA, 0, 1, two[:9]) + frame(DATA, 0, 1, two[9:]), 4)
     assert await asyncio.wait_for(conn.receive(1, to_end=False), 5) == (b"first", None)
     assert await asyncio.wait_for(conn.receive(1, to_end=False), 5) == (b"second", None)
-    reader.feed_data(h2_frame(7, 0, 0, struct.pack(">II", 1, 2)))  # GOAWAY, PROTOCOL_ERROR
+    reader.feed_data(frame(7, 0, 0, struct.pack(">II", 1, 2)))  # GOAWAY, PROTOCOL_ERROR
     assert await asyncio.wait_for(conn.receive(1, to_end=False), 5) == (None, "GOAWAY error code 2")
     assert conn.dead
     lost = H2Connection(reader, sink, b"")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
-from hpack import Decoder
+from hpack import Decoder, Encoder
 
 from fusedserve.service import grpc_calls, h2
 from fusedserve.service.grpc_server import GrpcServer
@@ -280,6 +280,22 @@ async def test_a_unary_call_frame_by_frame_with_settings_and_ping(server):
     client.send(frame(PING, 0, 0, b"pingpong"))
     answered(await unary(client, 1, ECHO, b"hello"), message(b"hello"))
     assert client.pings == [b"pingpong"], f"the PING answered with ACK and its 8 bytes: {client.pings}"
+
+
+async def test_header_blocks_that_index_and_refer_to_the_table_are_read_right(server):
+    # A client's encoder adds headers to its table, then sends references to them: the same bytes
+    # again and again, which the server remembers, until a block that changes the table again.
+    client, encoder = await Client.connect(server.port), Encoder()
+    fields = [(":method", "POST"), (":scheme", "http"), (":authority", "127.0.0.1"),
+              ("content-type", "application/grpc"), ("te", "trailers")]
+    for stream, (path, body) in enumerate([(ECHO, b"a"), (ECHO, b"b"), (ECHO, b"c"), (FAIL, b"d"), (ECHO, b"e")]):
+        client.send(frame(HEADERS, END_HEADERS, 2 * stream + 1, encoder.encode([(":path", path), *fields])))
+        client.send_data(2 * stream + 1, message(body))
+        answer = await client.answer(2 * stream + 1)
+        if path == ECHO:
+            answered(answer, message(body))
+        else:
+            assert answer.trailers.get("grpc-status") == "5", f"{path} answered by its own handler: {answer.blocks}"
 
 
 async def test_a_stream_answers_each_message_as_it_comes(server):
