@@ -8,11 +8,13 @@ import threading
 import grpc
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc.aio as triton_grpc
 from prometheus_client import generate_latest
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
+from fusedserve import models
 from fusedserve.service.app import create_app
 from fusedserve.service.settings import Settings
 
@@ -224,3 +226,21 @@ async def test_a_port_another_server_holds_is_an_error(served, settings):
         async with app.router.lifespan_context(app):
             pass
     assert await served.triton.is_server_ready()
+
+
+async def test_messages_above_the_clients_windows_go_both_ways(settings, tmp_path):
+    # 8 rows of 4096 floats each way (128 KiB), above HTTP/2's default 64 KiB window: the request goes
+    # through only in the window our SETTINGS open. (grpcio's client opens its own wide at once;
+    # tests/service/test_h2.py holds the answer to a narrow one.)
+    torch.manual_seed(0)
+    models.save_model(models.MLP(models.MLPConfig(4096, (16,), 4096)), tmp_path / "big" / "wide4k")
+    served = await _serve(settings.model_copy(update={"model_repository": tmp_path / "big"}))
+    try:
+        x = np.random.default_rng(0).standard_normal((8, 4096)).astype(np.float32)
+        calls = [served.stub.ModelInfer(raw_request(x * (i + 1), model="wide4k")) for i in range(4)]
+        for i, answer in enumerate(await asyncio.gather(*calls)):  # four at once on one connection
+            got = np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).reshape(8, 4096)
+            want = reference(tmp_path / "big", "wide4k", x * (i + 1))
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5, err_msg=f"call {i}: 128 KiB each way")
+    finally:
+        await _close(served)
