@@ -31,6 +31,9 @@ FRAME_LIMIT = 16384  # the largest frame we accept: the protocol's default, neve
 RECV_WINDOW = 1 << 24  # what a client may send, per stream and per connection, before we say we read it
 MAX_STREAMS = 1024  # calls open at once on one connection
 MAX_HEADER_LIST = 1 << 16
+# The window we give back as we read lets a client start many large requests at once: a connection
+# holds at most this many largest messages unfinished (checked once one stream holds HELD_CHECK bytes).
+HELD_MESSAGES, HELD_CHECK = 8, 1 << 16
 OPENED_CACHE = 64  # header blocks remembered per connection (a client sends the same few again and again)
 
 
@@ -335,6 +338,10 @@ class Connection(asyncio.Protocol):
             self._refuse(stream, calls.Abort("RESOURCE_EXHAUSTED", f"the request message is larger than the "
                                                                   f"server's limit of {self.server.max_message} bytes"))
             return
+        if len(stream.body) > HELD_CHECK and self._held() > HELD_MESSAGES * (self.server.max_message + 5):
+            self._refuse(stream, calls.Abort("RESOURCE_EXHAUSTED", "this connection holds too many unfinished large "
+                                                                  "requests: finish some, or open another connection"))
+            return
         if stream.inbox is not None or flags & END_STREAM:
             self._received(stream, ended=bool(flags & END_STREAM))
             if flags & END_STREAM or self.streams.get(stream_id) is not stream:
@@ -343,6 +350,9 @@ class Connection(asyncio.Protocol):
         if stream.unread >= RECV_WINDOW // 2:
             self.write(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(stream.unread)))
             stream.unread = 0
+
+    def _held(self) -> int:
+        return sum(len(s.body) for s in self.streams.values())
 
     def _received(self, stream: Stream, ended: bool) -> None:
         """Hand whole messages to the call: a stream's as they come, a unary call's once it ended."""

@@ -282,6 +282,19 @@ async def test_a_unary_call_frame_by_frame_with_settings_and_ping(server):
     assert client.pings == [b"pingpong"], f"the PING answered with ACK and its 8 bytes: {client.pings}"
 
 
+async def test_a_connection_holds_only_so_many_unfinished_large_requests(server):
+    # Eight unfinished messages near max_message fit; the ninth is refused, and the eight still finish.
+    client = await Client.connect(server.port, window=1 << 22, connection_window=1 << 24)
+    body = message(pattern(MAX_MESSAGE - 10_000))
+    for stream in range(1, 19, 2):
+        client.call(stream, ECHO, body[:-1], end=False)
+    refused = await client.answer(17)
+    assert refused.trailers.get("grpc-status") == "8", f"the ninth refused RESOURCE_EXHAUSTED: {refused.blocks}"
+    for stream in range(1, 17, 2):
+        client.send_data(stream, body[-1:])
+        answered(await client.answer(stream), body)
+
+
 async def test_header_blocks_that_index_and_refer_to_the_table_are_read_right(server):
     # A client's encoder adds headers to its table, then sends references to them: the same bytes
     # again and again, which the server remembers, until a block that changes the table again.
