@@ -47,9 +47,14 @@ RESPONSE_HEADERS = b"\x88" + literal("content-type", "application/grpc")  # 0x88
 OK_TRAILERS = literal("grpc-status", "0")
 
 
+MESSAGE_LIMIT = 2048  # UTF-8 bytes of grpc-message sent: percent-encoded (x3 at most), it fits one frame
+
+
 def status_block(code: str, message: str) -> bytes:
     block = literal("grpc-status", str(STATUS[code]))
-    return block + literal("grpc-message", _percent(message)) if message else block
+    if not message:
+        return block
+    return block + literal("grpc-message", _percent(message.encode()[:MESSAGE_LIMIT].decode(errors="ignore")))
 
 
 class Abort(Exception):

@@ -408,6 +408,9 @@ async def test_a_handler_abort_keeps_its_code_and_percent_encodes_its_message(se
         raw = answer.trailers.get("grpc-message", "")
         assert raw.isascii() and urllib.parse.unquote(raw) == said, f"grpc-message {said!r} percent-encoded: {raw!r}"
     assert raw == "100%25 sure: caf%C3%A9", f"'%' and non-ASCII bytes as %XX, the rest as is: {raw!r}"
+    long = await unary(client, 5, FAIL, "é".encode() * 20_000)  # 120 kB once encoded: cut, in one frame
+    assert urllib.parse.unquote(long.trailers["grpc-message"]) == "é" * (grpc_calls.MESSAGE_LIMIT // 2), \
+        f"a long message cut to its first {grpc_calls.MESSAGE_LIMIT} bytes, whole characters only"
 
 
 async def test_a_request_that_is_not_grpc_is_http_415(server):
