@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from .conftest import Server, write_repository
@@ -125,6 +126,22 @@ def test_batches_merge_front_ends_and_stats_cover_every_process(server):
     after = httpx.get(server.url + "/kernel-stats", timeout=10).json()
     assert "tiny" not in after["models"], after["models"]
     assert after["processes"]["batches_with_rows_from_several_front_ends"]["tiny"] == 0, after["processes"]
+
+
+def test_grpc_infer_through_every_front_end_matches_http(server):
+    # Each new connection lands on one of the two front ends (SO_REUSEPORT): six cover both, surely
+    # enough; every answer goes through that front end's RemoteEngine to the one engine.
+    triton_grpc = pytest.importorskip("tritonclient.grpc")
+    want = httpx.post(server.url + "/infer", content=BODY, timeout=10).json()["outputs"]
+    for _ in range(6):
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        try:
+            x = triton_grpc.InferInput("input", [1, 3], "FP32")
+            x.set_data_from_numpy(np.array([[0.5, -1.0, 2.0]], dtype=np.float32))
+            got = client.infer("tiny", [x], client_timeout=10).as_numpy("output")
+        finally:
+            client.close()
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg="gRPC and HTTP give the same answer")
 
 
 def _grpc_ready(port: int) -> bool:
