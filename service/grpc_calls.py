@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -79,10 +80,11 @@ class Method:
 class CallContext:
     """What a handler may ask of its call (grpc.aio's servicer context, the parts we use)."""
 
-    __slots__ = ("_deadline", "_metadata")
+    __slots__ = ("_deadline", "_metadata", "encoding")
 
-    def __init__(self, deadline: float | None, metadata: tuple):
+    def __init__(self, deadline: float | None, metadata: tuple, encoding: str = "identity"):
         self._deadline, self._metadata = deadline, metadata
+        self.encoding = encoding  # grpc-encoding: how the call's flagged messages are compressed
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else self._deadline - asyncio.get_running_loop().time()
@@ -98,12 +100,14 @@ class NotGrpc(Exception):
     """A request that is no gRPC call (not a POST of application/grpc): answered HTTP 415."""
 
 
-COMPRESSED = "compressed messages are not served: send them uncompressed"
+# grpc-encoding -> zlib's wbits: gzip's header, or zlib's (what gRPC calls "deflate").
+INFLATE = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, float | None, tuple]:
-    """The method, timeout (seconds, or None) and metadata of a call opened with ``headers``; Abort
-    says why it is refused. The same headers always give the same answer (a connection caches it)."""
+def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, float | None, tuple, str]:
+    """The method, timeout (seconds, or None), metadata and message encoding of a call opened with
+    ``headers``; Abort says why it is refused. The same headers always give the same answer (a
+    connection caches it)."""
     fields = dict(headers)
     if fields.get(":method") != "POST" or not fields.get("content-type", "").startswith("application/grpc"):
         raise NotGrpc()
@@ -117,24 +121,39 @@ def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, floa
         method = Method(method.name, method.parse, refuse_stream(refusal), True)
     elif refusal:
         raise Abort("UNAUTHENTICATED", refusal)
-    if fields.get("grpc-encoding", "identity") not in ("identity", ""):
-        raise Abort("UNIMPLEMENTED", COMPRESSED)
+    encoding = fields.get("grpc-encoding") or "identity"
+    if encoding != "identity" and encoding not in INFLATE:
+        raise Abort("UNIMPLEMENTED", f"grpc-encoding {encoding} is not served: send identity, gzip or deflate")
     timeout = fields.get("grpc-timeout")
-    return method, None if timeout is None else grpc_timeout(timeout), metadata
+    return method, None if timeout is None else grpc_timeout(timeout), metadata, encoding
 
 
-def take_messages(body: bytearray) -> list[bytes]:
-    """The whole length-prefixed messages at the head of ``body``, taken out of it."""
+def take_messages(body: bytearray, encoding: str, limit: int) -> list[bytes]:
+    """The whole length-prefixed messages at the head of ``body``, taken out of it, decompressed
+    where flagged (by the call's ``encoding``) up to ``limit`` bytes each."""
     messages = []
     while len(body) >= 5:
         size = int.from_bytes(body[1:5], "big")
         if len(body) < 5 + size:
             break
-        if body[0]:
-            raise Abort("UNIMPLEMENTED", COMPRESSED)
-        messages.append(bytes(body[5:5 + size]))
+        message = bytes(body[5:5 + size])
+        messages.append(_inflate(message, encoding, limit) if body[0] else message)
         del body[:5 + size]
     return messages
+
+
+def _inflate(message: bytes, encoding: str, limit: int) -> bytes:
+    if encoding not in INFLATE:
+        raise Abort("INTERNAL", "a message flagged compressed in a call whose grpc-encoding is identity")
+    inflater = zlib.decompressobj(INFLATE[encoding])
+    try:
+        out = inflater.decompress(message, limit + 1)
+    except zlib.error as exc:
+        raise Abort("INTERNAL", f"a {encoding} message does not decompress: {exc}") from None
+    if len(out) > limit:
+        raise Abort("RESOURCE_EXHAUSTED", f"the request message is larger than the server's limit of {limit} "
+                                          "bytes once decompressed")
+    return out
 
 
 def grpc_timeout(value: str) -> float:

@@ -314,8 +314,8 @@ class Connection(asyncio.Protocol):
                 return
             if len(self.opened) < OPENED_CACHE and not changes_table(block):
                 self.opened[block] = opened
-        method, timeout, metadata = opened
-        context = calls.CallContext(None if timeout is None else self.loop.time() + timeout, metadata)
+        method, timeout, metadata, encoding = opened
+        context = calls.CallContext(None if timeout is None else self.loop.time() + timeout, metadata, encoding)
         stream = Stream(stream_id, method, self.peer_window, context)
         self.streams[stream_id] = stream
         if method.streaming:
@@ -358,7 +358,7 @@ class Connection(asyncio.Protocol):
         """Hand whole messages to the call: a stream's as they come, a unary call's once it ended."""
         stream.remote_closed = ended
         try:
-            messages = calls.take_messages(stream.body)
+            messages = calls.take_messages(stream.body, stream.context.encoding, self.server.max_message)
             if stream.inbox is not None:
                 for message in messages:
                     stream.inbox.put_nowait(message)

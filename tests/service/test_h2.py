@@ -4,9 +4,11 @@ or never shows. SETTINGS and PING, flow control both ways, padded and split head
 RST_STREAM, refusals answered trailers-only, connection errors answered with GOAWAY, and drain."""
 
 import asyncio
+import gzip
 import itertools
 import struct
 import urllib.parse
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -374,14 +376,28 @@ async def test_rst_stream_cancels_the_call_and_the_connection_goes_on(server):
 
 REFUSALS = {  # what -> (path, headers added, the DATA, grpc-status)
     "an unknown path": ("/toy.Toy/Nope", (), message(b"hi"), 12),
-    "a compressed message": (ECHO, (), message(b"hi", flag=1), 12),
-    "grpc-encoding gzip": (ECHO, (("grpc-encoding", "gzip"),), message(b"hi"), 12),
+    "a message flagged compressed without grpc-encoding": (ECHO, (), message(b"hi", flag=1), 13),
+    "grpc-encoding br": (ECHO, (("grpc-encoding", "br"),), message(b"hi"), 12),
+    "a gzip message that does not inflate": (ECHO, (("grpc-encoding", "gzip"),), message(b"not gzip", flag=1), 13),
+    "a gzip message above max_message inflated": (ECHO, (("grpc-encoding", "gzip"),),
+                                                   message(gzip.compress(bytes(MAX_MESSAGE + 1)), flag=1), 8),
     "a message above max_message": (ECHO, (), message(bytes(MAX_MESSAGE + 1)), 8),
     "two messages on a unary call": (ECHO, (), message(b"a") + message(b"b"), 13),
     "a message cut short": (ECHO, (), message(b"hello")[:-2], 13),
     "an invalid grpc-timeout": (ECHO, (("grpc-timeout", "10x"),), message(b"hi"), 3),
     "a refused caller": (ECHO, (("x-deny", "yes"),), message(b"hi"), 16),
 }
+
+
+@pytest.mark.parametrize("encoding, squeeze", [("gzip", gzip.compress), ("deflate", zlib.compress)])
+async def test_compressed_messages_are_inflated(server, encoding, squeeze):
+    # gRPC's message compression: flagged messages in the call's grpc-encoding; answers go uncompressed.
+    client = await Client.connect(server.port)
+    body = pattern(50_000)
+    client.call(1, ECHO, message(squeeze(body), flag=1), (("grpc-encoding", encoding),))
+    answered(await client.answer(1), message(body))
+    client.call(3, ECHO, message(b"plain"), (("grpc-encoding", encoding),))  # the flag says which are
+    answered(await client.answer(3), message(b"plain"))
 
 
 @pytest.mark.parametrize("what", REFUSALS)
