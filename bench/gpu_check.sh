@@ -23,6 +23,7 @@
 #   against naive FastAPI under uvicorn --workers 12, 64 and 256 clients, digits and the 4x2048 bf16
 #   model (LOAD_MODELS), py-spy by process at 256 clients of PROFILE_MODEL (digits); LOAD_PROTOCOL=v2-binary
 #   sends KServe v2 binary tensors instead of JSON /infer (fusedserve only).
+# grpc-load: issue 22's gRPC against HTTP (bench/grpc_load.py) with 8 front ends and 8 client processes.
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_<gpu>_$KERNELS_TAG.json.
@@ -231,6 +232,11 @@ for s in "${stages[@]}"; do
         # where their wheels were brought (../shared/gpu/wheels.sh litserve py-spy matplotlib).
         load) stage load 420 python3 bench/load.py --device cuda --quick --out "$out/load_$gpu.json" ;;
         load-workers) load_workers ;;
+        # gRPC against HTTP on the GPU host: 8 front ends, the clients spread over 8 processes (needs
+        # tritonclient[grpc] and hpack among the brought wheels).
+        grpc-load) stage grpc-load 560 python3 bench/grpc_load.py --device cuda --procs 8 \
+            --fusedserve-flags "--workers 8 --max-batch-size 256" --clients 64 256 --reps 2 --no-floor \
+            --out "$out/grpc_load_$gpu.json" ;;
         profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
             python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;
         mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_$gpu.jsonl" \

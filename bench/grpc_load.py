@@ -27,6 +27,10 @@ p50/p99, errors, the server's CPU time per request (all its threads, from /proc)
 the mean batch rows (/kernel-stats). Writes ``bench/results/grpc_load_<host>.json``.
 
     python bench/grpc_load.py              # ~4 min on the 2-core dev machine
+    python bench/grpc_load.py --device cuda --procs 8 --fusedserve-flags "--workers 8"   # a GPU host
+
+``--procs`` spreads each run's clients over that many load-generator processes (one asyncio process
+drives ~15-20k req/s), started together, their latencies merged.
 """
 
 from __future__ import annotations
@@ -37,25 +41,29 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench.load and the service import from the checkout
-from bench.loadgen import IO_TIMEOUT_S, read_response  # noqa: E402
+from bench.loadgen import IO_TIMEOUT_S, read_response, split  # noqa: E402
 from bench.h2_client import (METHOD, STREAM_METHOD, grpc_message, raw_stream_client,  # noqa: E402
                              raw_unary_client)
 from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MAX_CLIENTS = 256  # a bound on the load this script may generate
+SPREAD_START_S = 1.0  # load-generator processes start their clients together, this long after the run is handed out
 
 
 def rows(n: int = 64) -> np.ndarray:
@@ -118,13 +126,14 @@ def _summary(latencies: list, errors: list, elapsed: float) -> dict:
             "p99_ms": float(np.percentile(lat, 99)), "mean_ms": float(lat.mean())}
 
 
-async def drive(port: int, requests: list[bytes], clients: int, duration_s: float) -> dict:
+async def drive(port: int, requests: list[bytes], clients: int, duration_s: float) -> tuple[list, list, float]:
     """``clients`` keep-alive HTTP/1.1 connections in this process sending whole ``requests`` in turn
-    (the gRPC clients run in this process too: one load generator for both protocols)."""
+    (the gRPC clients run in this process too: one load generator for both protocols). Every driver
+    returns (latencies in seconds, errors, seconds elapsed)."""
     latencies, errors = [], []
     t0 = time.monotonic()
     await asyncio.gather(*(_http_client(port, requests, t0 + duration_s, latencies, errors) for _ in range(clients)))
-    return _summary(latencies, errors, time.monotonic() - t0)
+    return latencies, errors, time.monotonic() - t0
 
 
 def _check_answer(message: bytes, streamed: bool) -> None:
@@ -153,7 +162,7 @@ async def _grpc_client(call, requests: list[bytes], deadline: float, latencies: 
         i += 1
 
 
-async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s: float, channels: int) -> dict:
+async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s: float, channels: int) -> tuple[list, list, float]:
     """Like ``drive``, over gRPC: ``clients`` callers on ``channels`` channels, bytes in and out."""
     import grpc
 
@@ -170,7 +179,7 @@ async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s:
         elapsed = time.monotonic() - t0
     finally:
         await asyncio.gather(*(c.close() for c in opened))
-    return _summary(latencies, errors, elapsed)
+    return latencies, errors, elapsed
 
 
 async def _stream_client(channel, requests: list[bytes], deadline: float, latencies: list, errors: list) -> None:
@@ -190,7 +199,7 @@ async def _stream_client(channel, requests: list[bytes], deadline: float, latenc
         call.cancel()
 
 
-async def drive_stream(port: int, requests: list[bytes], clients: int, duration_s: float) -> dict:
+async def drive_stream(port: int, requests: list[bytes], clients: int, duration_s: float) -> tuple[list, list, float]:
     """Like ``drive``, over one ModelStreamInfer stream per client, each on its own channel."""
     import grpc
 
@@ -205,10 +214,10 @@ async def drive_stream(port: int, requests: list[bytes], clients: int, duration_
         await asyncio.gather(*(c.close() for c in opened))
     if errors:
         print(f"grpc_stream: {len(errors)} answers were errors, the first: {errors[0]}", flush=True)
-    return _summary(latencies, errors, elapsed)
+    return latencies, errors, elapsed
 
 
-async def drive_raw(port: int, requests: list[bytes], clients: int, duration_s: float, stream: bool) -> dict:
+async def drive_raw(port: int, requests: list[bytes], clients: int, duration_s: float, stream: bool) -> tuple[list, list, float]:
     """Like ``drive``, over gRPC from raw-socket HTTP/2 clients (pre-built frames, no gRPC library):
     ModelInfer, or (``stream``) one ModelStreamInfer stream per client. The run's first answer is checked."""
     if not 1 <= clients <= MAX_CLIENTS:
@@ -224,7 +233,7 @@ async def drive_raw(port: int, requests: list[bytes], clients: int, duration_s: 
         _check_answer(answers[0], stream)
     if errors:
         print(f"grpc_raw{'_stream' if stream else ''}: {len(errors)} calls failed, the first: {errors[0]}", flush=True)
-    return _summary(latencies, errors, elapsed)
+    return latencies, errors, elapsed
 
 
 def canned_server(port: int) -> None:
@@ -280,25 +289,51 @@ class CannedProcess(ServerProcess):
         raise RuntimeError(f"canned server not listening after {timeout_s} s")
 
 
-def one_run(mode: str, server: ServerProcess, grpc_port: int, loads: dict, clients: int, duration: float) -> dict:
-    """One bounded run of ``mode`` against ``server``, with both sides' CPU time per request."""
+async def drive_mode(mode: str, port: int, requests: list[bytes], clients: int, duration: float,
+                     start_at: float = 0.0) -> tuple[list, list, float]:
+    """``mode``'s driver (``port``: HTTP's for the HTTP loads, else gRPC's), from ``start_at`` (monotonic)."""
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    if mode.startswith("grpc_raw"):
+        return await drive_raw(port, requests, clients, duration, mode.startswith("grpc_raw_stream"))
+    if mode.startswith("grpc_stream"):
+        return await drive_stream(port, requests, clients, duration)
+    if mode.startswith("grpc"):
+        return await drive_grpc(port, requests, clients, duration, 1 if mode == "grpc_shared" else clients)
+    return await drive(port, requests, clients, duration)
+
+
+def _shard(args: tuple) -> tuple[list, list, float]:
+    """One load-generator process's part of a run (``pool``'s workers run this)."""
+    return asyncio.run(drive_mode(*args))
+
+
+def drive_spread(pool, procs: int, mode: str, port: int, requests: list[bytes], clients: int,
+                 duration: float) -> dict:
+    """``mode``'s clients over ``procs`` processes of ``pool`` (all in this one without a pool), all
+    starting together; their latencies merged into one summary."""
+    if pool is None:
+        return _summary(*asyncio.run(drive_mode(mode, port, requests, clients, duration)))
+    start_at = time.monotonic() + SPREAD_START_S
+    shares = [n for n in split(clients, procs) if n]
+    parts = list(pool.map(_shard, [(mode, port, requests, n, duration, start_at) for n in shares]))
+    return _summary([x for p in parts for x in p[0]], [e for p in parts for e in p[1]], max(p[2] for p in parts))
+
+
+def one_run(mode: str, server: ServerProcess, grpc_port: int, loads: dict, clients: int, duration: float,
+            pool=None, procs: int = 1) -> dict:
+    """One bounded run of ``mode`` against ``server``, with both sides' CPU time per request (the
+    client's only when it ran in this process)."""
     if not mode.endswith("_floor"):
         http_json(server.url + "/kernel-stats/reset", "POST")
     cpu0, client0 = server.cpu_seconds(), os.times()
-    if mode.startswith("grpc_raw"):
-        r = asyncio.run(drive_raw(grpc_port, loads["grpc"], clients, duration, mode.startswith("grpc_raw_stream")))
-    elif mode.startswith("grpc_stream"):
-        r = asyncio.run(drive_stream(grpc_port, loads["grpc"], clients, duration))
-    elif mode.startswith("grpc"):
-        channels = 1 if mode == "grpc_shared" else clients
-        r = asyncio.run(drive_grpc(grpc_port, loads["grpc"], clients, duration, channels))
-    else:
-        r = asyncio.run(drive(server.port, loads[mode], clients, duration))
+    port, requests = (server.port, loads[mode]) if mode.startswith("http") else (grpc_port, loads["grpc"])
+    r = drive_spread(pool, procs, mode, port, requests, clients, duration)
     cpu1, client1 = server.cpu_seconds(), os.times()
     done = max(r["requests"], 1)
+    client_s = client1.user + client1.system - client0.user - client0.system
     r.update(mode=mode, clients=clients,
              server_cpu_ms_per_request=(cpu1 - cpu0) * 1e3 / done if cpu0 is not None else None,
-             client_cpu_ms_per_request=(client1.user + client1.system - client0.user - client0.system) * 1e3 / done)
+             client_cpu_ms_per_request=client_s * 1e3 / done if pool is None else None)
     if not mode.endswith("_floor"):
         m = http_json(server.url + "/kernel-stats")["models"]["digits"]
         r["mean_batch_rows"] = m["rows"] / m["batches"] if m["batches"] else 0.0
@@ -349,12 +384,12 @@ def run(args, work: Path) -> dict:
 
     # The last --grpc-port wins: this one turns gRPC back on, on a free port.
     spec = fusedserve_spec("fusedserve", ["--grpc-port", str(grpc_port), "--max-batch-size", "64",
-                                          "--max-delay-ms", "2"])
-    server = ServerProcess(spec, "cpu", Path(DEFAULT_REPOSITORY), work)
+                                          "--max-delay-ms", "2", *shlex.split(args.fusedserve_flags)])
+    server = ServerProcess(spec, args.device, Path(DEFAULT_REPOSITORY), work)
     canned = None if args.no_floor else CannedProcess(work)
     # mode -> (the process it loads, the gRPC port its client calls)
     targets = {mode: (server, grpc_port) for mode in modes}
-    results = []
+    pool = ProcessPoolExecutor(args.procs, mp_context=get_context("spawn")) if args.procs > 1 else None
     try:
         server.wait_ready(args.ready_timeout)
         if canned is not None:
@@ -363,21 +398,30 @@ def run(args, work: Path) -> dict:
         x = rows()
         loads = {"grpc": grpc_requests(x), "http_v2": http_requests(server.port, x, "http_v2"),
                  "http_infer": http_requests(server.port, x, "http_infer")}
-        for mode in modes:  # untimed: first traffic (connections, page faults) skews no run
-            one_run(mode, *targets[mode], loads, max(args.clients), 0.5)
-        for clients in args.clients:
-            for rep in range(args.reps):
-                for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
-                    r = one_run(mode, *targets[mode], loads, clients, args.duration)
-                    results.append({**r, "rep": rep})
-                    print(f"{mode:21s} clients={clients:3d} rep={rep} {r['rps']:7.0f} req/s p50 {r['p50_ms']:6.2f} ms "
-                          f"p99 {r['p99_ms']:6.2f} ms server {r['server_cpu_ms_per_request'] or 0:.3f} ms/req "
-                          f"errors {r['errors']}", flush=True)
+        results = measure(args, modes, targets, loads, pool)
     finally:
         server.stop()
         if canned is not None:
             canned.stop()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return {"results": results, "summary": summarize(results, args.target)}
+
+
+def measure(args, modes: list[str], targets: dict, loads: dict, pool) -> list[dict]:
+    """Every mode at every client count, ``args.reps`` times in rotated order, after one untimed pass."""
+    for mode in modes:  # untimed: first traffic (connections, page faults) skews no run
+        one_run(mode, *targets[mode], loads, max(args.clients), 0.5, pool, args.procs)
+    results = []
+    for clients in args.clients:
+        for rep in range(args.reps):
+            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+                r = one_run(mode, *targets[mode], loads, clients, args.duration, pool, args.procs)
+                results.append({**r, "rep": rep})
+                print(f"{mode:21s} clients={clients:3d} rep={rep} {r['rps']:7.0f} req/s p50 {r['p50_ms']:6.2f} ms "
+                      f"p99 {r['p99_ms']:6.2f} ms server {r['server_cpu_ms_per_request'] or 0:.3f} ms/req "
+                      f"errors {r['errors']}", flush=True)
+    return results
 
 
 def main(argv=None) -> None:
@@ -389,6 +433,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio server (all floors)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for warm-up")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/grpc_load_<host>.json)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where fusedserve runs the model")
+    parser.add_argument("--procs", type=int, default=1,
+                        help="load-generator processes, the clients spread over them (a GPU host: 8)")
+    parser.add_argument("--fusedserve-flags", default="", help='extra flags for fusedserve, e.g. "--workers 8"')
     parser.add_argument("--canned-server", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.canned_server is not None:
@@ -396,11 +444,14 @@ def main(argv=None) -> None:
         return
     if not 1 <= max(args.clients) <= MAX_CLIENTS or min(args.clients) < 1:
         parser.error(f"client counts must be 1..{MAX_CLIENTS}")
+    if not 1 <= args.procs <= 64:
+        parser.error("--procs must be 1..64")
     out = args.out or RESULTS / f"grpc_load_{socket.gethostname()}.json"
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fusedserve_grpc_load_") as work:
         report = run(args, Path(work))
     report = {"date": datetime.date.today().isoformat(), "machine": _machine(), "model": "digits (shipped)",
+              "device": args.device, "procs": args.procs, "fusedserve_flags": args.fusedserve_flags,
               "rows_per_request": 1, "duration_s": args.duration, "reps": args.reps, "target": args.target,
               "wall_s": round(time.monotonic() - started, 1), **report}
     out.parent.mkdir(parents=True, exist_ok=True)
