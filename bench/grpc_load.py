@@ -57,9 +57,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench.load and the service import from the checkout
 from bench.loadgen import IO_TIMEOUT_S, read_response, split  # noqa: E402
-from bench.h2_client import (METHOD, STREAM_METHOD, grpc_message, raw_stream_client,  # noqa: E402
+from bench.h2_client import (METHOD, STREAM_METHOD, raw_stream_client,  # noqa: E402
                              raw_unary_client)
 from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec  # noqa: E402
+from fusedserve.service.grpc_calls import length_prefixed  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MAX_CLIENTS = 256  # a bound on the load this script may generate
@@ -222,7 +223,7 @@ async def drive_raw(port: int, requests: list[bytes], clients: int, duration_s: 
     ModelInfer, or (``stream``) one ModelStreamInfer stream per client. The run's first answer is checked."""
     if not 1 <= clients <= MAX_CLIENTS:
         raise ValueError(f"clients must be 1..{MAX_CLIENTS}")
-    messages = [grpc_message(r) for r in requests]
+    messages = [length_prefixed(r) for r in requests]
     client = raw_stream_client if stream else raw_unary_client
     latencies, errors, answers = [], [], []
     t0 = time.monotonic()

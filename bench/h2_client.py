@@ -13,6 +13,7 @@ from hpack import Decoder
 from hpack.exceptions import HPACKError
 
 from bench.loadgen import IO_TIMEOUT_S
+from fusedserve.service.grpc_calls import literal
 from fusedserve.service.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
                                         PADDED, PING, PREFACE, RST_STREAM, SETTINGS, WINDOW_UPDATE, WITH_PRIORITY,
                                         changes_table, frame)
@@ -36,25 +37,11 @@ def _unpad(flags: int, payload: bytes) -> bytes:
     return payload[1:len(payload) - payload[0]] if flags & PADDED else payload
 
 
-def _literal(name: str, value: str) -> bytes:
-    """One header as HPACK's literal without indexing, new name, no Huffman: it leaves the server's
-    dynamic table alone, so one block is valid on every stream. Lengths under 127 take one byte."""
-    n, v = name.encode(), value.encode()
-    if len(n) >= 127 or len(v) >= 127:
-        raise ValueError(f"header too long for a one-byte length: {name}")
-    return bytes((0, len(n))) + n + bytes((len(v),)) + v
-
-
 def request_block(port: int, path: str) -> bytes:
     """The header block of every call to ``path``: built once, sent as is on each new stream."""
-    return b"".join(_literal(k, v) for k, v in (
+    return b"".join(literal(k, v) for k, v in (
         (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", f"127.0.0.1:{port}"),
         ("content-type", "application/grpc"), ("te", "trailers")))
-
-
-def grpc_message(request: bytes) -> bytes:
-    """gRPC's length-prefixed message: 0 (uncompressed), the 4-byte big-endian length, the bytes."""
-    return b"\0" + struct.pack(">I", len(request)) + request
 
 
 def take_message(buf: bytearray) -> bytes | None:

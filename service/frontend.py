@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(settings, engine_process=args.engine)
     config = uvicorn_config(app, settings, args.log_level)  # the guarded protocol, as one process has
     # socket(fileno=) finds the family itself (TCP): asyncio then sets TCP_NODELAY on each connection.
-    FrontEndServer(config, app.state.service, settings.drain_grace_s, supervisor=args.supervisor).run(sockets=[socket.socket(fileno=args.fd)])
+    server = FrontEndServer(config, app.state.service, settings.drain_grace_s, supervisor=args.supervisor)
+    server.run(sockets=[socket.socket(fileno=args.fd)])
 
 
 if __name__ == "__main__":

@@ -128,6 +128,11 @@ def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, floa
     return method, None if timeout is None else grpc_timeout(timeout), metadata, encoding
 
 
+def length_prefixed(message: bytes) -> bytes:
+    """A message as gRPC sends it: 0 (not compressed), its length (4 bytes, big-endian), its bytes."""
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
 def take_messages(body: bytearray, encoding: str, limit: int) -> list[bytes]:
     """The whole length-prefixed messages at the head of ``body``, taken out of it, decompressed
     where flagged (by the call's ``encoding``) up to ``limit`` bytes each."""
@@ -172,6 +177,7 @@ async def unary_call(connection, stream, message: bytes) -> None:
     connection.send_message(stream, response.SerializeToString())
     connection.finish(stream, "OK", "")
 
+
 async def stream_call(connection, stream) -> None:
     failure: list = []
     try:
@@ -180,6 +186,7 @@ async def stream_call(connection, stream) -> None:
     except Exception as exc:  # noqa: BLE001 - every call is answered with a status
         failure.append(exc)
     connection.finish(stream, *(_status_of(failure[0]) if failure else ("OK", "")))
+
 
 async def _requests(stream, failure: list) -> AsyncIterator:
     """The stream's request messages, parsed; one that does not parse ends the call (INTERNAL)."""

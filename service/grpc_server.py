@@ -1,7 +1,7 @@
 """KServe v2 gRPC (``inference.GRPCInferenceService``, the messages ``tritonclient[grpc]`` ships) on
 our own HTTP/2 connections (``service.h2``) in the HTTP app's event loop. The servicer sees only an
-``Engine``; a client's mistake is answered with the status code its ``ServiceError`` names (INVALID_ARGUMENT, NOT_FOUND,
-UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. ModelStreamInfer answers each
+``Engine``; a client's mistake is answered with the status code its ``ServiceError`` names
+(INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. ModelStreamInfer answers each
 request of a stream with its id (a mistake in ``error_message``, the stream going on). Methods not
 listed here (model config, statistics, shared-memory control) answer UNIMPLEMENTED; the repository
 methods are ``ModelControl``'s, as over HTTP."""

@@ -280,7 +280,7 @@ class Connection(asyncio.Protocol):
         self.block = None
         block = bytes(block)
         opened = self.opened.get(block)  # a block seen before that left the table alone: no decoding
-        headers = self._decode(block) if opened is None else None
+        headers, key = (None, None) if opened is not None else self._decode(block)
         if stream_id in self.streams:  # trailers from the client end its side
             if flags & END_STREAM:
                 self._received(self.streams[stream_id], ended=True)
@@ -291,18 +291,20 @@ class Connection(asyncio.Protocol):
         if (self.goaway_id is not None and stream_id > self.goaway_id) or len(self.streams) >= MAX_STREAMS:
             self.write(frame(RST_STREAM, 0, stream_id, U32.pack(REFUSED_STREAM)))
             return
-        self._open(stream_id, flags, block, headers, opened)
+        self._open(stream_id, flags, key, headers, opened)
 
-    def _decode(self, block: bytes) -> list:
+    def _decode(self, block: bytes) -> tuple[list, bytes | None]:
+        """The block's headers, and the block itself where it may key the cache (it left the table alone)."""
         try:  # every block that changes the table is decoded, refused or not: ours must follow the client's
             headers = self.decoder.decode(block)
         except HPACKError as exc:
             raise H2Error(COMPRESSION_ERROR, f"a header block does not decode: {exc}") from None
         if changes_table(block):
             self.opened.clear()
-        return headers
+            return headers, None
+        return headers, block
 
-    def _open(self, stream_id: int, flags: int, block: bytes, headers, opened) -> None:
+    def _open(self, stream_id: int, flags: int, key: bytes | None, headers, opened) -> None:
         if opened is None:
             try:
                 opened = calls.open_call(self.server.methods, self.server.refuse, headers)
@@ -312,8 +314,10 @@ class Connection(asyncio.Protocol):
             except calls.Abort as abort:
                 self.trailers_only(stream_id, abort.code, abort.message)
                 return
-            if len(self.opened) < OPENED_CACHE and not changes_table(block):
-                self.opened[block] = opened
+            if key is not None:
+                if len(self.opened) >= OPENED_CACHE:  # one-off blocks (a new grpc-timeout each call) filled it
+                    self.opened.clear()
+                self.opened[key] = opened
         method, timeout, metadata, encoding = opened
         context = calls.CallContext(None if timeout is None else self.loop.time() + timeout, metadata, encoding)
         stream = Stream(stream_id, method, self.peer_window, context)
@@ -388,7 +392,7 @@ class Connection(asyncio.Protocol):
         if not stream.headed:
             stream.headed = True
             self.write(frame(HEADERS, END_HEADERS, stream.id, calls.RESPONSE_HEADERS))
-        data = b"\x00" + U32.pack(len(message)) + message
+        data = calls.length_prefixed(message)
         if not stream.out and len(data) <= min(self.send_window, stream.send_window, self.peer_frame):
             self.send_window -= len(data)
             stream.send_window -= len(data)

@@ -12,7 +12,8 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from bench.grpc_load import CannedProcess, drive_raw, drive_spread, grpc_requests, http_requests, rows, summarize
-from bench.h2_client import H2Connection, grpc_message, request_block
+from bench.h2_client import H2Connection, request_block
+from fusedserve.service.grpc_calls import length_prefixed
 from fusedserve.service.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, HEADERS, PADDED, PING,
                                         SETTINGS, WINDOW_UPDATE, changes_table, frame, hpack_int)
 from fusedserve.service import grpc_codec
@@ -110,7 +111,7 @@ async def test_frames_split_across_reads_with_continuations_pings_and_an_indexin
     ok = encoder.encode([("grpc-status", "0")])
     again = encoder.encode([(":status", "200"), ("content-type", "application/grpc")])  # from the dynamic table
     failed = encoder.encode([("grpc-status", "13"), ("grpc-message", "boom")])
-    answer = grpc_message(b"answer")
+    answer = length_prefixed(b"answer")
     wire = (frame(SETTINGS, 0, 0, struct.pack(">HI", 3, 100)) + frame(PING, 0, 0, b"12345678")
             + frame(HEADERS, 0, 1, head[:2]) + frame(CONTINUATION, END_HEADERS, 1, head[2:])
             + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1000)) + frame(PING, ACK, 0, b"87654321")
@@ -131,7 +132,7 @@ async def test_frames_split_across_reads_with_continuations_pings_and_an_indexin
 async def test_a_stream_answer_is_one_message_and_goaway_or_a_lost_connection_marks_it_dead():
     reader, sink = asyncio.StreamReader(), _Sink()
     conn = H2Connection(reader, sink, b"")
-    two = grpc_message(b"first") + grpc_message(b"second")
+    two = length_prefixed(b"first") + length_prefixed(b"second")
     await _feed(reader, frame(DATA, 0, 1, two[:9]) + frame(DATA, 0, 1, two[9:]), 4)
     assert await asyncio.wait_for(conn.receive(1, to_end=False), 5) == (b"first", None)
     assert await asyncio.wait_for(conn.receive(1, to_end=False), 5) == (b"second", None)
