@@ -154,10 +154,25 @@ def load_repository(path=None, device=None, backend=None) -> dict[str, MLP]:
             for d in model_directories(path)}
 
 
+def is_version(name: str) -> bool:
+    """Whether a folder's name is a version number: ASCII digits only ("²" and "٣" are digits to
+    ``str.isdigit`` and ``int`` reads the latter, but neither is a version anyone wrote)."""
+    return name.isascii() and name.isdigit()
+
+
 def versions(directory: Path) -> dict[str, Path]:
     """A model directory's versions, as Triton lays them out: numbered subfolders (``<model>/2/``)
-    each holding a model, or else the directory itself as version "1"."""
-    numbered = {d.name: d for d in directory.iterdir() if d.name.isdigit() and (d / CONFIG_FILE).is_file()}
+    each holding a model, or else the directory itself as version "1". Other subfolders holding a
+    model, or named with other digits, are ignored with a warning."""
+    numbered = {}
+    for d in directory.iterdir():
+        holds_model = (d / CONFIG_FILE).is_file()
+        if is_version(d.name):
+            if holds_model:
+                numbered[d.name] = d
+        elif d.is_dir() and (holds_model or d.name.isdigit()):
+            log.warning("ignoring folder %r of model %r: a version folder is named with the digits 0-9 only",
+                        d.name, directory.name)
     if numbered:
         return dict(sorted(numbered.items(), key=lambda item: int(item[0])))
     return {"1": directory} if (directory / CONFIG_FILE).is_file() else {}

@@ -8,6 +8,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 from safetensors.torch import load_file, save_file
 
+from fusedserve import models
 from fusedserve.service.app import create_app
 from fusedserve.service.cli import parser, settings_from_args
 
@@ -100,3 +101,25 @@ async def test_without_exit_on_error_grpc_says_the_bad_model_is_not_ready(settin
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "layers.0.weight" in caught.value.details()
     finally:
         await _close(served)
+
+
+@pytest.mark.timeout(60)
+async def test_a_version_folder_that_is_no_decimal_number_is_ignored(settings, repository, caplog):
+    # "²" is a digit to str.isdigit() but no version: int() refuses it. It must not stop start-up
+    # or the repository routes; the model keeps serving its decimal versions.
+    for folder in ("²", "٣"):  # a superscript two, an Arabic-Indic three
+        models.save_model(models.MLP(models.MLPConfig(5, (7,), 4)), repository / "wide" / folder)
+    models.save_model(models.MLP(models.MLPConfig(5, (7,), 4)), repository / "wide" / "2")
+    app, c = await _serving(settings)
+    async with app.router.lifespan_context(app), c:
+        await wait_ready(c)
+        assert (await c.post("/infer", json={"model": "wide", "inputs": [[1, 2, 3, 4, 5]]})).status_code == 200
+        r = await c.post("/v2/repository/index")
+        assert r.status_code == 200, r.text
+        assert {m["name"]: (m["version"], m["state"]) for m in r.json()} == {
+            "tiny": ("1", "READY"), "wide": ("2", "READY")}, r.json()
+        r = await c.post("/v2/repository/models/wide/load")
+        assert r.status_code == 200, r.text
+        assert (await c.get("/v2/models/wide")).json()["versions"] == ["2"]
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert any("'²'" in m and "wide" in m for m in warned), warned
