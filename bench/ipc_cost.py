@@ -96,10 +96,14 @@ async def local(requests: int, loads: list[int]) -> list[dict]:
 async def remote(requests: int, loads: list[int], log: Path) -> list[dict]:
     settings = _settings()
     path = os.path.join(tempfile.mkdtemp(prefix="ipc-cost-"), "engine.sock")
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as pipe:
+        pipe.write(settings.handoff())
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "fusedserve.service.engine_process", "--socket", path,
-                                 "--settings", settings.model_dump_json(), "--log-level", "warning"],
-                                stdout=out, stderr=out, cwd=ROOT)
+                                 "--settings-fd", str(read), "--log-level", "warning"],
+                                stdout=out, stderr=out, cwd=ROOT, pass_fds=(read,))
+    os.close(read)
     state = ServiceState.fresh(settings)
     engine = RemoteEngine(path, state)
     await engine.start()

@@ -235,7 +235,7 @@ async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="fusedserve engine process (started by the supervisor)")
     p.add_argument("--socket", required=True)
-    p.add_argument("--settings", required=True, help="Settings as JSON")
+    p.add_argument("--settings-fd", type=int, required=True, help="a pipe holding Settings.handoff()'s JSON")
     p.add_argument("--ready-fd", type=int, default=None)
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     configure(args.log_level, args.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us once the front ends are done
-    settings = Settings(**json.loads(args.settings))
+    settings = Settings.from_fd(args.settings_fd)
     try:
         import uvloop
     except ImportError:

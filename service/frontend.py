@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import socket
 
@@ -50,13 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="fusedserve front-end process (started by the supervisor)")
     p.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
     p.add_argument("--engine", required=True, help="the engine process's Unix socket")
-    p.add_argument("--settings", required=True, help="Settings as JSON")
+    p.add_argument("--settings-fd", type=int, required=True, help="a pipe holding Settings.handoff()'s JSON")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
     p.add_argument("--supervisor", type=int, default=None, help="its PID (default: the parent at start)")
     args = p.parse_args(argv)
     configure(args.log_level, args.log_format)
-    settings = Settings(**json.loads(args.settings))
+    settings = Settings.from_fd(args.settings_fd)
     app = create_app(settings, engine_process=args.engine)
     config = uvicorn_config(app, settings, args.log_level)  # the guarded protocol, as one process has
     # socket(fileno=) finds the family itself (TCP): asyncio then sets TCP_NODELAY on each connection.

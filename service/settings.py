@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -123,6 +124,19 @@ class Settings(BaseSettings):
             raise ValueError(f"max_queue_rows ({self.max_queue_rows}) must be >= max_batch_size "
                              f"({self.max_batch_size}): a full batch must fit in the queue")
         return self
+
+    def handoff(self) -> str:
+        """These settings as JSON for a child process, secrets included: ``model_dump_json`` writes
+        every SecretStr as "**********", which would become the child's key."""
+        data = self.model_dump(mode="json")
+        data.update({name: value.get_secret_value() for name, value in self if isinstance(value, SecretStr)})
+        return json.dumps(data)
+
+    @classmethod
+    def from_fd(cls, fd: int) -> Settings:
+        """The settings a parent wrote with ``handoff`` into the pipe ``fd`` (read to its end, closed)."""
+        with os.fdopen(fd, "rb") as pipe:
+            return cls(**json.loads(pipe.read()))
 
     def inline_ms(self, device_type: str) -> float:
         """``inline_batch_ms`` resolved for a model on ``device_type`` ("cpu", "cuda")."""

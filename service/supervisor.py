@@ -36,6 +36,7 @@ ORPHAN_POLL_S = 0.5  # how often a child checks that its supervisor is still its
 class Child:
     name: str
     argv: list[str]
+    settings: str  # Settings.handoff(): JSON with the secrets
     pass_fds: tuple[int, ...] = ()
     proc: subprocess.Popen | None = None
     started: float = 0.0
@@ -43,7 +44,15 @@ class Child:
     restarts: int = field(default=0)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, pass_fds=self.pass_fds, start_new_session=True)
+        # Settings go through a pipe, not argv: a command line shows in `ps`, and keys must reach the child.
+        read, write = os.pipe()
+        with os.fdopen(write, "w") as pipe:
+            pipe.write(self.settings)  # a few kB: fits the pipe's buffer before the child reads
+        try:
+            self.proc = subprocess.Popen([*self.argv, "--settings-fd", str(read)], pass_fds=(*self.pass_fds, read),
+                                         start_new_session=True)
+        finally:
+            os.close(read)
         self.started, self.restart_at = time.monotonic(), None
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
@@ -94,8 +103,8 @@ def _bind(host: str, port: int, count: int) -> list[socket.socket]:
 class Supervisor:
     def __init__(self, settings: Settings, log_level: str, log_format: str):
         self.settings = settings
-        self._common = ["--settings", settings.model_dump_json(), "--log-level", log_level,
-                        "--log-format", log_format, "--supervisor", str(os.getpid())]
+        self._handoff = settings.handoff()
+        self._common = ["--log-level", log_level, "--log-format", log_format, "--supervisor", str(os.getpid())]
         self._stop_signal: int | None = None
         self._front_ends: list[Child] = []
 
@@ -104,7 +113,7 @@ class Supervisor:
         read, write = os.pipe()
         os.set_blocking(read, False)
         argv = [sys.executable, "-m", "fusedserve.service.engine_process", "--socket", path, *self._common]
-        engine = Child("engine", [*argv, "--ready-fd", str(write)], (write,))
+        engine = Child("engine", [*argv, "--ready-fd", str(write)], self._handoff, (write,))
         engine.start()
         os.close(write)
         engine.argv, engine.pass_fds = argv, ()  # a restarted engine need not say it
@@ -124,7 +133,7 @@ class Supervisor:
         path = os.path.join(tmp, "engine.sock")
         self._front_ends = [
             Child(f"front end {i}", [sys.executable, "-m", "fusedserve.service.frontend", "--fd", str(sock.fileno()),
-                                     "--engine", path, *self._common], (sock.fileno(),))
+                                     "--engine", path, *self._common], self._handoff, (sock.fileno(),))
             for i, sock in enumerate(socks)]
         if settings.grpc_port:
             _check_free(settings.host, settings.grpc_port, "--grpc-port")
