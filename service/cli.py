@@ -45,7 +45,8 @@ _FLAGS = {
                              "after the drain, the most seconds left for requests in progress (default 10)"),
     "--api-key": ("api_key", str, "require Authorization: Bearer <key> on all but the probes (prefer the env var)"),
     "--admin-api-key": ("admin_api_key", str, "key for admin routes (kernel-stats reset, model control)"),
-    "--allowed-hosts": ("allowed_hosts", str, "comma-separated Host names to answer ('*.example.com' ok); empty: any"),
+    "--allowed-hosts": ("allowed_hosts", str, "comma-separated Host names to answer ('*.example.com', 'local', '*'); "
+                                          "empty: local names when listening on loopback, else any"),
     "--docs": ("docs", str, "true: serve /docs and /openapi.json; false: turn them off"),
     # Booleans go to Settings as text: pydantic reads true/false, 1/0, yes/no, on/off.
     "--exit-on-error": ("exit_on_error", str, "true: a model that fails to load stops start-up; false: serve the rest"),

@@ -88,8 +88,10 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = Field(10.0, ge=0.0)
     # Security (service.security). api_key: every route but the probes needs "Authorization: Bearer
     # <key>"; admin_api_key: the admin routes (kernel-stats reset, model control) need it instead
-    # (it opens every other route too). allowed_hosts: comma-separated Host names ("*.x" for
-    # subdomains) answered; empty = any. docs: serve /docs, /redoc and /openapi.json.
+    # (it opens every other route too; the API key never opens admin routes). allowed_hosts:
+    # comma-separated Host names answered ("*.x" for subdomains, "local" for localhost and IP
+    # addresses, "*" for any); empty = "local" when listening on loopback only, else "*".
+    # docs: serve /docs, /redoc and /openapi.json.
     api_key: SecretStr | None = None
     admin_api_key: SecretStr | None = None
     allowed_hosts: str = ""

@@ -35,7 +35,7 @@ async def test_model_may_be_omitted_only_when_one_is_loaded(client, tmp_path, re
     one = tmp_path / "one"
     models.save_model(models.load_model(repository / "tiny"), one / "tiny")
     app = create_app(Settings(model_repository=one, device="cpu", gc_freeze=False))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
         await wait_ready(c)
         r = await c.post("/infer", json={"inputs": ROWS[:1]})
     assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
@@ -233,7 +233,7 @@ async def test_limits_body_rows_queue_and_deadline(repository):
     settings = Settings(model_repository=repository, device="cpu", gc_freeze=False, max_batch_size=4, max_queue_rows=4,
                         max_body_bytes=300, request_timeout_ms=10_000, inline_batch_ms=0.0)
     app = create_app(settings)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
         await wait_ready(c)
         r = await c.post("/infer", json={"model": "tiny", "inputs": [[1.0, 2.0, 3.0]] * 40})
         assert r.status_code == 413 and "300-byte" in r.json()["error"], r.text
@@ -261,7 +261,7 @@ async def test_limits_body_rows_queue_and_deadline(repository):
 async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, held_warmup):
     held_warmup.fail = "wide"
     app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=False))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
         while not held_warmup.started.is_set():
             await asyncio.sleep(0.005)
         assert (await c.get("/v2/health/live")).status_code == 200
@@ -325,7 +325,7 @@ async def test_gc_freeze_after_warm_up(repository):
     app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=True))
     try:
         async with app.router.lifespan_context(app), httpx.AsyncClient(
-                transport=httpx.ASGITransport(app), base_url="http://t") as c:
+                transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
             await wait_ready(c)
             assert gc.get_freeze_count() > 0, "objects alive after warm-up were not frozen"
     finally:
@@ -353,7 +353,7 @@ async def test_kernel_stats_say_which_buckets_are_provisional(settings, monkeypa
     monkeypatch.setattr(models.paths.LayersPath, "tuned", lambda self, bucket: False)
     app = create_app(settings.model_copy(update={"background_tuning": background}))
     async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app), base_url="http://test") as c:
+            transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
         await wait_ready(c)
         want = "tuned" if background else "provisional"
         for _ in range(500):  # background tuning of these tiny CPU models takes milliseconds

@@ -30,7 +30,7 @@ async def test_outputs_that_overflow_are_an_error_not_nulls(settings, repository
     save_file(tensors, path)
     app = create_app(settings)
     async with app.router.lifespan_context(app), \
-            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
         await wait_ready(c)
         big = [1e10, -1e10, 1e10]
         r = await c.post("/infer", json={"model": "tiny", "inputs": [[0.0, 0.0, 0.0], big]})
@@ -52,7 +52,7 @@ async def test_a_bad_model_stops_start_up_by_default(settings, repository):
 
 async def _serving(settings):
     app = create_app(settings.model_copy(update={"exit_on_error": False}))
-    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t")
+    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost")
 
 
 async def test_without_exit_on_error_the_others_serve_and_the_bad_one_says_why(settings, repository):

@@ -11,7 +11,7 @@ async def test_root_redirects_to_the_page(client):
     r = await client.get("/")
     assert r.status_code == 302 and r.headers["location"] == "dashboard", (r.status_code, r.headers)
     r = await client.get("/", follow_redirects=True)
-    assert r.status_code == 200 and str(r.url) == "http://test/dashboard", r.url
+    assert r.status_code == 200 and str(r.url) == "http://localhost/dashboard", r.url
 
 
 async def test_page_and_its_assets_are_served_from_the_package(client):

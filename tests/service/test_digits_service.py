@@ -32,7 +32,7 @@ def accuracy(outputs, labels) -> float:
 async def test_shipped_digits_in_memory_with_concurrent_requests():
     x, y = digits()
     app = create_app(Settings(device="cpu", max_batch_size=16, gc_freeze=False))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
         await wait_ready(c)
         # Awkward request sizes (at most max_batch_size=16 rows each), sent concurrently so they batch.
         sizes = [1, 3, 16, 7, 1, 16, 13, 16, 16, 16, 16, 9]

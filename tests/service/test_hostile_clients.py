@@ -188,7 +188,7 @@ def test_a_body_left_unfinished_after_its_answer_is_closed_without_a_second_answ
     # body deadline must close the connection, not write a 408 the client would take as the
     # answer to its next request.
     sock = connect(server)
-    sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 99999999\r\n\r\n" + b"[" * 4096)
     data = b""
     while chunk := sock.recv(65536):

@@ -113,6 +113,62 @@ async def test_allowed_hosts_refuse_other_host_names(app_client):
             "probes come from the kubelet by address"
 
 
+UNLOAD = "/v2/repository/models/tiny/unload"
+
+
+async def test_a_default_server_refuses_cross_site_model_control(app_client):
+    async with app_client() as s:  # no keys, listening on loopback: what `fusedserve serve` starts
+        page = {"Content-Type": "text/plain", "Origin": "http://evil.example"}  # a form's "simple" POST
+        for headers in (page, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"},
+                        {"Origin": "http://localhost:9999"}):  # another port is another origin
+            r = await s.c.post(UNLOAD, headers=headers)
+            assert r.status_code == 403 and "another site" in r.json()["error"], (headers, r.text)
+            assert (await s.post(*INFER)).status_code == 200, "the model must still be served"
+        r = await s.c.post("/kernel-stats/reset", headers=page)
+        assert r.status_code == 403, r.text
+        # The live page's own reset (same origin), and clients that send no Origin (curl, tritonclient).
+        same = {"Origin": "http://localhost", "Sec-Fetch-Site": "same-origin"}
+        assert (await s.c.post("/kernel-stats/reset", headers=same)).status_code == 200
+        assert (await s.c.post(UNLOAD)).status_code == 200
+
+
+async def test_a_loopback_server_refuses_names_dns_could_rebind(app_client):
+    async with app_client() as s:
+        rebound = {"Host": "evil.example:8000", "Origin": "http://evil.example:8000"}  # same origin, to the browser
+        for path in ("/kernel-stats", "/metrics", "/dashboard"):
+            r = await s.c.get(path, headers=rebound)
+            assert r.status_code == 400 and "FUSEDSERVE_ALLOWED_HOSTS" in r.json()["error"], (path, r.text)
+        assert (await s.post(*INFER, headers=rebound)).status_code == 400
+        assert (await s.c.post(UNLOAD, headers=rebound)).status_code == 400
+        for host in ("localhost:8000", "127.0.0.1:8000", "[::1]:8000"):
+            assert (await s.post(*INFER, headers={"Host": host})).status_code == 200, host
+    async with app_client(allowed_hosts="*") as s:  # any name for inference, as on 0.0.0.0 by default
+        assert (await s.post(*INFER, headers=rebound)).status_code == 200
+        r = await s.c.post(UNLOAD, headers=rebound)
+        assert r.status_code == 403 and "localhost or an IP" in r.json()["error"], r.text
+
+
+async def test_the_inference_key_never_opens_admin_routes(app_client):
+    async with app_client(api_key="user") as s:
+        user = {"Authorization": "Bearer user"}
+        assert (await s.post(*INFER, headers=user)).status_code == 200
+        for path in ("/kernel-stats/reset", "/v2/repository/index", UNLOAD):
+            r = await s.c.post(path, headers=user)
+            assert r.status_code == 403 and "FUSEDSERVE_ADMIN_API_KEY" in r.json()["error"], (path, r.text)
+        assert (await s.post(*INFER, headers=user)).status_code == 200, "the model must still be served"
+
+
+async def test_grpc_repository_calls_refuse_the_inference_key(settings):
+    served = await _serve(settings.model_copy(update={"api_key": "user"}))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await served.stub.RepositoryIndex(pb.RepositoryIndexRequest(), metadata=(("authorization", "Bearer user"),))
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, caught.value
+        assert "FUSEDSERVE_ADMIN_API_KEY" in caught.value.details()
+    finally:
+        await _close(served)
+
+
 async def test_error_bodies_carry_no_server_paths(app_client, repository):
     async with app_client() as s:
         runner = s.app.state.service.runners["tiny"]
