@@ -4,9 +4,9 @@ The record names the git tree of ``kernels/`` and ``models/`` the suite ran on (
 files, so it works on a copy without ``.git``), the GPU, torch and Triton, the date and pytest's
 summary line of each part of the suite.
 
-    python bench/gpu_record.py part NAME PYTEST_LOG OUT.json   # after one part of the suite (GPU host)
-    python bench/gpu_record.py merge OUT.json PART.json ...    # the parts of one code version into one
-    python bench/gpu_record.py check RECORD.json               # does it match this checkout? (CI)
+    python tools/gpu_record.py part NAME PYTEST_LOG OUT.json   # after one part of the suite (GPU host)
+    python tools/gpu_record.py merge OUT.json PART.json ...    # the parts of one code version into one
+    python tools/gpu_record.py check RECORD.json               # does it match this checkout? (CI)
 """
 
 import datetime

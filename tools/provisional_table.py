@@ -4,8 +4,8 @@ tuner chose in the newest run that measured it.
 
 No GPU needed. From the repository root:
 
-    python bench/provisional_table.py                      # every bench/results/kernels_h200*.json
-    python bench/provisional_table.py RUN.json ... [--out DIR]
+    python tools/provisional_table.py                      # every bench/results/kernels_h200*.json
+    python tools/provisional_table.py RUN.json ... [--out DIR]
 
 Writes ``DIR/<gpu>-triton-<version>.json`` (default DIR: ``kernels/tables``) per GPU and Triton
 version found: {"gpu", "triton", "sources", "fields", "entries": [[dtype, M, N, K, static_weight,

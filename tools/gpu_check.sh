@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: the GPU tests, kernel and model benchmarks, an end-to-end server.
 # Run on the GPU host from the repository root (after `. .whl/setup.sh` where the web stack is
-# missing):  bash bench/gpu_check.sh [STAGE ...]   (default: env tests e2e model kernels load)
+# missing):  bash tools/gpu_check.sh [STAGE ...]   (default: env tests e2e model kernels load)
 #
 # tests: the whole GPU suite, nothing left out, in two parts that each fit one device call:
-#   tests-kernels (tests/kernels) and tests-rest (tests/models, tests/service, tests/bench). Each
-#   part writes gpu_record_<part>.json (bench/gpu_record.py: the git trees of kernels/ and models/
-#   it ran on, GPU, versions, pytest's summary); merge them into tests/gpu_record.json.
+#   tests-kernels (tests/kernels) and tests-rest (tests/models, tests/service, tests/bench,
+#   tests/tools). Each part writes gpu_record_<part>.json (tools/gpu_record.py: the git trees of
+#   kernels/ and models/ it ran on, GPU, versions, pytest's summary); merge them into
+#   tests/gpu_record.json.
 #   tests-all: the whole suite in one pytest (about 8 minutes on an H100 with 16 workers).
 # smoke: a few minutes of GPU tests across every kernel family and the runner, after a refactor.
 # tests-gluon-small, tests-gluon-ws, tests-tma: one family's GPU tests.
@@ -18,7 +19,7 @@
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
-#   20 s; the live page's JSON saved to dashboard_<gpu>.json (bench/dashboard_shot.py replay draws it).
+#   20 s; the live page's JSON saved to dashboard_<gpu>.json (tools/dashboard_shot.py replay draws it).
 # load-workers: issue 22's run: 8 front ends (LOAD_WORKERS="8 12": each count, the first is ours)
 #   against naive FastAPI under uvicorn --workers 12, 64 and 256 clients, digits and the 4x2048 bf16
 #   model (LOAD_MODELS), py-spy by process at 256 clients of PROFILE_MODEL (digits); LOAD_PROTOCOL=v2-binary
@@ -143,7 +144,7 @@ dashboard() {  # a real server on the GPU under load, its page's JSON captured
     local port=18002 log=/tmp/fusedserve-dashboard.log
     if serve_bg "$port" "$log" --device "${DASHBOARD_DEVICE:-cuda}" --grpc-port 0 \
             ${DASHBOARD_REPOSITORY:+--model-repository "$DASHBOARD_REPOSITORY"}; then
-        python3 bench/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out/dashboard_$gpu.json"
+        python3 tools/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out/dashboard_$gpu.json"
     else
         echo "dashboard: server never became ready"
     fi
@@ -167,7 +168,7 @@ gpu_tests() {  # gpu_tests PART PATH...: one part of the GPU suite, then its rec
     local part=$1; shift
     stage "tests-$part" "${GPU_TESTS_LIMIT:-560}" python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --durations=10 --no-header \
         -p no:cacheprovider "$@" 2>&1 | tee "$out/tests_$part.log"
-    python3 bench/gpu_record.py part "$part" "$out/tests_$part.log" "$out/gpu_record_$part.json"
+    python3 tools/gpu_record.py part "$part" "$out/tests_$part.log" "$out/gpu_record_$part.json"
 }
 
 ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits both sides alike
@@ -186,17 +187,17 @@ ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits
             "$b_dir" "${args[@]}" --tag "b_$r" --tune-cache "$dir/tune_b"
         files_a+=("$dir/kernels_a_$r.json"); files_b+=("$dir/kernels_b_$r.json")
     done
-    python3 bench/ab.py --a "${files_a[@]}" --b "${files_b[@]}" --out "$dir/ab.json" \
+    python3 tools/ab.py --a "${files_a[@]}" --b "${files_b[@]}" --out "$dir/ab.json" \
         --names "${AB_NAME_A:-this checkout}" "${AB_NAME_B:-$AB_DIR}" 2>&1 | tee -a "$log"
 }
 
 for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
-        tests) gpu_tests kernels tests/kernels; gpu_tests rest tests/models tests/service tests/bench ;;
-        tests-all) GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-500} gpu_tests all tests/kernels tests/models tests/service tests/bench ;;
+        tests) gpu_tests kernels tests/kernels; gpu_tests rest tests/models tests/service tests/bench tests/tools ;;
+        tests-all) GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-500} gpu_tests all tests/kernels tests/models tests/service tests/bench tests/tools ;;
         tests-kernels) gpu_tests kernels tests/kernels ;;
-        tests-rest) gpu_tests rest tests/models tests/service tests/bench ;;
+        tests-rest) gpu_tests rest tests/models tests/service tests/bench tests/tools ;;
         smoke) stage smoke 300 python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --no-header -p no:cacheprovider \
             tests/kernels/test_activations.py tests/kernels/test_gluon_ws.py tests/models/test_runner_gpu.py \
             tests/kernels/test_fused_linear_gpu.py -k "not dependent_layers and not large_shapes" ;;
@@ -253,6 +254,6 @@ for s in "${stages[@]}"; do
         ncu) ncu_stage ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
-        *) echo "unknown stage: $s (see the list at the top of bench/gpu_check.sh)" | tee -a "$log" ;;
+        *) echo "unknown stage: $s (see the list at the top of tools/gpu_check.sh)" | tee -a "$log" ;;
     esac
 done

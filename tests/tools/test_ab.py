@@ -1,10 +1,10 @@
-"""bench/ab.py: comparing alternated runs of two kernel versions (no GPU needed)."""
+"""tools/ab.py: comparing alternated runs of two kernel versions (no GPU needed)."""
 
 import json
 
 import pytest
 
-from bench.ab import compare, report, runs
+from tools.ab import compare, report, runs
 
 
 def write(path, rows):

@@ -1,9 +1,9 @@
 """Compare two versions of the kernels from ``bench/kernels.py`` runs made in alternation.
 
 Run on any machine (no GPU needed) over the JSON files of runs made A, B, A, B, ... in one GPU
-session (``bench/gpu_check.sh ab`` makes them):
+session (``tools/gpu_check.sh ab`` makes them):
 
-    python bench/ab.py --a DIR/a_1.json DIR/a_2.json --b DIR/b_1.json DIR/b_2.json [--out ab.json]
+    python tools/ab.py --a DIR/a_1.json DIR/a_2.json --b DIR/b_1.json DIR/b_2.json [--out ab.json]
                        [--names main experiment/x]
 
 A kernel measured in one process can be ~5% faster or slower in the next (seen on the H200: the

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench import gpu_record  # noqa: E402
+from tools import gpu_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
