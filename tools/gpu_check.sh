@@ -28,9 +28,6 @@
 # model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
 #   within KERNELS_BUDGET_S into kernels_<gpu>_$KERNELS_TAG.json.
-# sweep, gluon-sweep, ws-sweep (WS_SHAPES), mlp-sweep (MLP_SWEEP_ONLY), tuner (TUNER_SHAPES),
-#   ncu (NCU_RUNS at NCU_SHAPES), profile, fp32, host: the measurements behind the kernels' choices
-#   (bench/KERNELS.md).
 # ab: this checkout against another at $AB_DIR, bench/kernels.py alternated A B A B ($AB_ROUNDS).
 # pack (last): everything under $OUT into one results.tgz.
 # Logs and results go to $OUT (default bench/results/gpu_check), named after the GPU (<gpu>: h100,
@@ -151,19 +148,6 @@ dashboard() {  # a real server on the GPU under load, its page's JSON captured
     stop_bg "$log" 20
 }
 
-ncu_stage() {  # Nsight Compute's full set of counters for one launch of each NCU_RUNS kernel:pick at NCU_SHAPES
-    local spec name pick shape csv
-    for shape in ${NCU_SHAPES:-256x11008x4096}; do
-        for spec in ${NCU_RUNS:-gluon_ws:6 triton_tma_persistent:1 cublaslt:0}; do
-            name=${spec%%:*}; pick=${spec##*:}; csv="$out/ncu_${name}_${pick}_$shape.csv"
-            stage "ncu-$name-$pick-$shape" 240 bash -c "ncu --clock-control none --set full --csv --page raw \
-                -k 'regex:gluon_ws_kernel|_tma_persistent_kernel|_small_m_kernel|_gemv_kernel|nvjet|xmma|gemm' \
-                --launch-skip 2 --launch-count 1 python3 bench/ncu_kernel.py --kernel $name --pick $pick \
-                --shape $shape > '$csv'; rc=\$?; python3 bench/ncu_summary.py '$csv'; exit \$rc"
-        done
-    done
-}
-
 gpu_tests() {  # gpu_tests PART PATH...: one part of the GPU suite, then its record
     local part=$1; shift
     stage "tests-$part" "${GPU_TESTS_LIMIT:-560}" python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --durations=10 --no-header \
@@ -205,9 +189,6 @@ for s in "${stages[@]}"; do
             -p no:cacheprovider tests/kernels/test_gluon_small_m.py tests/kernels/test_fused_linear_gpu.py ;;
         tests-gluon-ws) stage tests-gluon-ws 240 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header \
             -p no:cacheprovider tests/kernels/test_gluon_ws.py ;;
-        ws-sweep) stage ws-sweep 300 python3 bench/small_m_sweep.py --kernel ws --budget-s 240 \
-            --shapes "${WS_SHAPES:-256x11008x4096,512x4096x4096,256x8192x8192,2048x4096x4096,1024x11008x4096}" \
-            --out "$out/ws_sweep_$gpu.jsonl" ;;
         tests-tma) stage tests-tma 200 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header -p no:cacheprovider \
             tests/kernels/test_fused_linear_gpu.py tests/kernels/test_fused_linear.py -k "tma" ;;
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
@@ -238,20 +219,7 @@ for s in "${stages[@]}"; do
         grpc-load) stage grpc-load 560 python3 bench/grpc_load.py --device cuda --procs 8 \
             --fusedserve-flags "--workers 8 --max-batch-size 256" --clients 64 256 --reps 2 --no-floor \
             --out "$out/grpc_load_$gpu.json" ;;
-        profile) stage profile 300 bash -c "for mb in 'digits 8' 'mlp4x1024 8' 'mlp4x4096 8'; do set -- \$mb;
-            python3 bench/profile_model.py --out '$out' --model \$1 --batch \$2 || exit 1; done" ;;
-        mlp-sweep) stage mlp-sweep 240 python3 bench/fused_mlp_sweep.py --budget-s 200 --out "$out/fused_mlp_sweep_$gpu.jsonl" \
-            ${MLP_SWEEP_ONLY:+--only $MLP_SWEEP_ONLY} ;;
-        gluon-sweep) stage gluon-sweep 300 python3 bench/small_m_sweep.py --kernel gluon --budget-s 240 \
-            --out "$out/gluon_small_m_sweep_$gpu.jsonl" ;;
-        host) stage host 240 python3 bench/host_overhead.py --out "$out/host_overhead_$gpu.json" ;;
-        fp32) stage fp32 330 bash -c "python3 bench/fp32_precision.py --out '$out/fp32_precision_$gpu.json' &&
-            FUSEDSERVE_FP32_PRECISION=tf32x3 python3 bench/model.py --quick --models digits --tag ${gpu}_tf32x3 --out '$out'" ;;
-        sweep) stage sweep 330 python3 bench/small_m_sweep.py --budget-s 280 --out "$out/small_m_sweep_$gpu.jsonl" ;;
-        tuner) stage tuner 300 python3 bench/tuner_check.py --budget-s 220 --dtype "${TUNER_DTYPE:-bfloat16}" \
-            --shapes "${TUNER_SHAPES:-64x4096x4096,33x11008x4096,64x11008x4096,32x4096x4096}" --out "$out/tuner_check_$gpu.jsonl" ;;
         ab) ab ;;
-        ncu) ncu_stage ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;
         *) echo "unknown stage: $s (see the list at the top of tools/gpu_check.sh)" | tee -a "$log" ;;
