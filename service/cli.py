@@ -54,6 +54,9 @@ _FLAGS = {
                             "on/off: tune provisional kernel choices after ready (default on)"),
     "--parallel-compile": ("parallel_compile", _on_off,
                            "on/off: compile a cold start's kernels in worker processes (default on)"),
+    "--engine-heartbeat-timeout-s": ("engine_heartbeat_timeout_s", float,
+                                     "--workers N: an engine silent this long is unready, at twice it restarted "
+                                     "(default 5; 0: off)"),
 }
 
 

@@ -24,7 +24,7 @@ from fusedserve.service.logs import configure
 from fusedserve.service.settings import Settings
 from fusedserve.service.timing import LayerSinks
 from fusedserve.service.state import ServiceState
-from fusedserve.service.supervisor import until_orphaned
+from fusedserve.service.supervisor import HEARTBEAT_S, until_orphaned
 
 log = logging.getLogger("fusedserve")
 STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to the front ends
@@ -61,6 +61,8 @@ class Connection(asyncio.Protocol):
                     group.drop()
             elif kind == wire.CONTROL:
                 asyncio.ensure_future(self._control(ident, payload))
+            elif kind == wire.PING:  # answered here, on the event loop, whatever batch is running
+                self.outbox.send(wire.PONG_FRAME)
 
     def _infer(self, ident: int, payload: bytearray) -> None:
         try:
@@ -202,7 +204,25 @@ async def _stop_when_orphaned(supervisor: int | None, stop: asyncio.Event) -> No
     stop.set()
 
 
-async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor: int | None = None) -> None:
+async def _beat(fd: int) -> None:
+    """A byte into the supervisor's heartbeat pipe every ``HEARTBEAT_S``, from this event loop: when
+    they stop coming, the loop is stopped or wedged and the supervisor restarts this process."""
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            os.write(fd, b".")
+        except BlockingIOError:  # the supervisor has not read them yet: one more adds nothing
+            pass
+        except BrokenPipeError:
+            log.warning("the supervisor's heartbeat pipe closed: no more heartbeats")
+            return
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor: int | None = None,
+                heartbeat_fd: int | None = None) -> None:
+    # Beats from the start: loading and warm-up run on threads, so a long one is never a silent loop.
+    beat = None if heartbeat_fd is None else asyncio.create_task(_beat(heartbeat_fd))
     state = ServiceState.fresh(settings)
     state.metrics.watch_queues(state.batchers)
     server = EngineServer(state)
@@ -223,7 +243,7 @@ async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor:
         os.close(ready_fd)
     log.info("engine listening on %s", path)
     tasks = [asyncio.create_task(startup.warm_up_and_serve(state, runners)),
-             asyncio.create_task(server.watch_status()), orphaned]
+             asyncio.create_task(server.watch_status()), orphaned, *([beat] if beat else [])]
     await stop.wait()
     state.draining = True
     await startup.stop(state, tasks[0])  # the batchers answer what they queued
@@ -237,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--socket", required=True)
     p.add_argument("--settings-fd", type=int, required=True, help="a pipe holding Settings.handoff()'s JSON")
     p.add_argument("--ready-fd", type=int, default=None)
+    p.add_argument("--heartbeat-fd", type=int, default=None, help="a pipe to write a byte to every HEARTBEAT_S")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
     p.add_argument("--supervisor", type=int, default=None, help="its PID (default: the parent at start)")
@@ -247,9 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(settings, args.socket, args.ready_fd, args.supervisor))
+        asyncio.run(serve(settings, args.socket, args.ready_fd, args.supervisor, args.heartbeat_fd))
     else:
-        uvloop.run(serve(settings, args.socket, args.ready_fd, args.supervisor))
+        uvloop.run(serve(settings, args.socket, args.ready_fd, args.supervisor, args.heartbeat_fd))
 
 
 if __name__ == "__main__":

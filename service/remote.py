@@ -3,7 +3,13 @@ to the engine process (``service.wire`` frames: raw float32 rows, JSON only for 
 
 The engine pushes its status (models, live, ready) on connect and on every change. While the engine
 process is gone, every request in flight and every new one is answered at once with 503 (NotReady,
-Retry-After) and the probes fail; the connection is retried until the restarted engine answers."""
+Retry-After) and the probes fail; the connection is retried until the restarted engine answers.
+
+A heartbeat (PING every ``HEARTBEAT_S``; any frame counts as an answer) finds an engine that is
+there but answers nothing (stopped, wedged): after ``engine_heartbeat_timeout_s`` of silence its
+requests in flight and every new one get 503 and readiness turns false until it answers again or
+the supervisor restarts it. Liveness stays true meanwhile: this process is fine, and the supervisor,
+not the orchestrator, restarts the engine (a pod restart would also drop every front end)."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import orjson
 from fusedserve.service import wire
 from fusedserve.service.errors import NotReady
 from fusedserve.service.state import ModelInfo, ServiceState, pick_model
+from fusedserve.service.supervisor import HEARTBEAT_S
 from fusedserve.service.waiting import wait_answer
 
 log = logging.getLogger("fusedserve")
@@ -28,6 +35,7 @@ CONTROL_TIMEOUT_S = 10.0  # a stats or metrics question the engine leaves unansw
 DEADLINE_SLACK_S = 0.1
 FIRST_STATUS_S = 5.0  # how long start() waits for a listening engine's first status
 GONE = "the engine process is not running (the supervisor restarts it); retry shortly"
+STUCK = "the engine process stopped answering (silent for {:.1f} s; the supervisor restarts it); retry shortly"
 
 
 def _gone() -> NotReady:
@@ -55,6 +63,9 @@ class RemoteEngine(asyncio.Protocol):
         self._task: asyncio.Task | None = None
         self._closing = False
         self._first_try = asyncio.Event()
+        self._heard = 0.0  # loop time of the engine's last frame
+        self._stuck: str | None = None  # why requests get 503 while the engine is connected but silent
+        self._beat: asyncio.Task | None = None
 
     # -- the connection ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,6 +74,9 @@ class RemoteEngine(asyncio.Protocol):
         self._first_try = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._keep_connected(), name="engine-connection")
+        timeout_s = self._state.settings.engine_heartbeat_timeout_s
+        if timeout_s:
+            self._beat = self._loop.create_task(self._heartbeat(timeout_s), name="engine-heartbeat")
         try:
             await asyncio.wait_for(self._first_try.wait(), FIRST_STATUS_S)
         except asyncio.TimeoutError:
@@ -70,9 +84,10 @@ class RemoteEngine(asyncio.Protocol):
 
     async def close(self) -> None:
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [task for task in (self._task, self._beat) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._transport is not None:
             self._transport.close()
 
@@ -94,13 +109,14 @@ class RemoteEngine(asyncio.Protocol):
         self._outbox = wire.Outbox(transport, pack=self._pack_groups)
         self._frames = wire.Frames()
         self._groups = {}
+        self._heard, self._stuck = self._loop.time(), None
         log.info("connected to the engine process")
 
     def connection_lost(self, exc) -> None:
         if self._status is not None and not self._closing:
             log.error("lost the engine process: answering its requests with 503 until it is back")
         self._transport, self._outbox, self._status, self._models = None, None, None, {}
-        self._groups = {}
+        self._groups, self._stuck = {}, None
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -109,9 +125,15 @@ class RemoteEngine(asyncio.Protocol):
             self._lost.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        self._heard = self._loop.time()
+        if self._stuck is not None:
+            self._stuck = None
+            log.warning("the engine process answers again: serving")
         for kind, ident, payload in self._frames.feed(data):
             if kind == wire.STATUS:
                 self._set_status(orjson.loads(payload))
+                continue
+            if kind == wire.PONG:
                 continue
             future = self._pending.pop(ident, None)
             if future is None or future.done():
@@ -122,6 +144,33 @@ class RemoteEngine(asyncio.Protocol):
                 future.set_exception(wire.read_error(payload))
             elif kind == wire.REPLY:
                 future.set_result(orjson.loads(payload))
+
+    async def _heartbeat(self, timeout_s: float) -> None:
+        """PING the engine every ``HEARTBEAT_S``; once it sent nothing for ``timeout_s``, answer what
+        it holds and every new request 503 (``_silenced``) until it answers again."""
+        loop = self._loop
+        while True:
+            tick = loop.time()
+            await asyncio.sleep(HEARTBEAT_S)
+            now = loop.time()
+            if self._outbox is None or self._status is None:
+                continue
+            # A tick that came late means this process was stalled: the engine's answer may still
+            # wait unread (uvloop runs timers before reading), so only an on-time tick may judge.
+            on_time = now - tick < 2 * HEARTBEAT_S
+            if on_time and self._stuck is None and now - self._heard > timeout_s:
+                self._silenced(now - self._heard)
+            self._outbox.send(wire.PING_FRAME)
+
+    def _silenced(self, silent_s: float) -> None:
+        self._stuck = STUCK.format(silent_s)
+        log.error("%s: answering its %d requests in flight, and new ones, with 503", self._stuck, len(self._pending))
+        for ident in list(self._pending):
+            self._withdraw(ident, self._unavailable())
+
+    def _unavailable(self) -> NotReady:
+        """The 503 for a request the engine cannot take now: it is gone, or silent."""
+        return _gone() if self._stuck is None else NotReady(self._stuck, headers={"Retry-After": "1"})
 
     def _set_status(self, status: dict) -> None:
         self._models = {row[0]: ModelInfo(*row) for row in status["models"]}
@@ -137,20 +186,21 @@ class RemoteEngine(asyncio.Protocol):
         return self._status is not None and self._status["live"]
 
     def ready(self) -> bool:
-        return self._status is not None and self._status["ready"] and not self._state.draining
+        return (self._status is not None and self._status["ready"] and self._stuck is None
+                and not self._state.draining)
 
     def reason(self) -> str:
         if self._state.draining:
             return "draining"
-        return GONE if self._status is None else self._status["reason"]
+        return GONE if self._status is None else self._stuck or self._status["reason"]
 
     def failed(self) -> Mapping[str, str]:
         return {} if self._status is None else self._status["failed"]
 
     def model(self, name: str | None) -> ModelInfo:
         status = self._status
-        if status is None:
-            raise _gone()
+        if status is None or self._stuck is not None:
+            raise self._unavailable()
         if not status["serving"]:
             why = f"start-up failed: {status['startup_error']}" if status["startup_error"] else \
                 "models are still loading or warming up"
@@ -160,8 +210,8 @@ class RemoteEngine(asyncio.Protocol):
     async def infer(self, model: str, rows: np.ndarray, timeout_s: float,
                     abandon: asyncio.Future | None = None, alone: bool = False) -> np.ndarray:
         # (``alone`` is not sent: the engine process batches rows from every front end)
-        if self._outbox is None:
-            raise _gone()
+        if self._outbox is None or self._stuck is not None:
+            raise self._unavailable()
         ident = next(self._ids) & wire.ID_MASK
         future = self._pending[ident] = self._loop.create_future()
         self._gather(self._index[model], ident, rows, timeout_s)
@@ -200,14 +250,15 @@ class RemoteEngine(asyncio.Protocol):
             self._outbox.send(wire.cancel_frame(ident))
 
     def record_error(self, model: str, outcome: str) -> None:
-        # The engine owns the metrics: a front end's refusals are counted there (lost while it is gone).
-        if self._outbox is not None:
+        # The engine owns the metrics: a front end's refusals are counted there (lost while it is gone
+        # or silent: nothing would read them, and they would pile up in this process).
+        if self._outbox is not None and self._stuck is None:
             self._outbox.send(wire.json_frame(wire.CONTROL, 0, {"op": "record_error", "model": model,
                                                                   "outcome": outcome}))
 
     async def _ask(self, op: str, **fields):
-        if self._outbox is None:
-            raise _gone()
+        if self._outbox is None or self._stuck is not None:
+            raise self._unavailable()
         ident = next(self._ids) & wire.ID_MASK
         future = self._pending[ident] = asyncio.get_running_loop().create_future()
         self._outbox.send(wire.json_frame(wire.CONTROL, ident, {"op": op, **fields}))

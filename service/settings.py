@@ -104,6 +104,12 @@ class Settings(BaseSettings):
     # Where warm-up finds Triton's cache cold, compile the provisional kernels of the remaining
     # buckets in worker processes at once (models.precompile); off: one after another in-process.
     parallel_compile: bool = True
+    # --workers N: an engine process that answers no heartbeat this long (its event loop stopped or
+    # wedged) makes the front ends answer 503 and turns readiness off; the supervisor kills and
+    # restarts it at twice this. Loads, warm-up, compiles and long batches run off the engine's
+    # event loop, which answers between them, and inline batches stop at ~25 ms: seconds of silence
+    # mean a stopped loop, not a busy one, and 5 s leaves room for a starved 2-core machine. 0: off.
+    engine_heartbeat_timeout_s: float = Field(5.0, ge=0.0)
 
     @field_validator("device")
     @classmethod

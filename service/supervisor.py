@@ -2,9 +2,9 @@
 SO_REUSEPORT socket per front end), spawns one engine process (``service.engine_process``: models,
 batchers, CUDA graphs, stats) and, once the engine has loaded its models, N front ends (``service.frontend``: uvicorn on its inherited socket,
 a ``RemoteEngine`` each, every one also serving gRPC on one port shared with SO_REUSEPORT), and
-restarts any that dies. Children are fresh interpreters (spawned, never forked:
-the engine may touch CUDA), in their own session so a terminal's Ctrl-C reaches only the supervisor,
-which passes each signal on exactly once.
+restarts any that dies; an engine whose event loop stops beating (``Heartbeat``) is killed first.
+Children are fresh interpreters (spawned, never forked: the engine may touch CUDA), in their own
+session so a terminal's Ctrl-C reaches only the supervisor, which passes each signal on exactly once.
 
 SIGTERM: every front end drains (``DrainingServer``: answers for ``drain_grace_s``, then finishes what
 it accepted); once all have exited, the engine stops (its batchers answer what they queued)."""
@@ -30,6 +30,10 @@ POLL_S = 0.05
 RESTART_BACKOFF_S = 1.0  # a child that dies within this long of its start waits this long to restart
 ENGINE_STOP_S = 30.0  # the engine's own shutdown (batchers answering their queues)
 ORPHAN_POLL_S = 0.5  # how often a child checks that its supervisor is still its parent
+HEARTBEAT_S = 0.5  # how often the engine's event loop shows it runs (a byte to us, a PONG to each PING)
+# An engine silent this many heartbeat timeouts is killed. Readiness turns off after one (cheap, and
+# undone when it answers again); a restart costs a model load and warm-up.
+KILL_AFTER = 2
 
 
 @dataclass
@@ -100,6 +104,40 @@ def _bind(host: str, port: int, count: int) -> list[socket.socket]:
     return socks
 
 
+class Heartbeat:
+    """The pipe the engine's event loop writes a byte into every ``HEARTBEAT_S``: one for the
+    supervisor's life, inherited by every engine. Each engine's first byte arms it, so its imports,
+    before its event loop runs, never count as silence."""
+
+    def __init__(self):
+        self.read, self.write = os.pipe()
+        os.set_blocking(self.read, False)
+        self._pid: int | None = None
+        self._last: float | None = None
+
+    def silent_s(self, pid: int, now: float) -> float:
+        """Seconds since engine ``pid`` last beat (0 before its first beat or after ``disarm``)."""
+        if pid != self._pid:  # a new engine: what the last one wrote says nothing of this one
+            self._drain()
+            self._pid, self._last = pid, None
+        if self._drain():
+            self._last = now
+        return 0.0 if self._last is None else now - self._last
+
+    def disarm(self) -> None:
+        self._last = None
+
+    def _drain(self) -> bool:
+        try:
+            return bool(os.read(self.read, 1 << 16))  # a pipe holds at most 64 KiB
+        except BlockingIOError:
+            return False
+
+    def close(self) -> None:
+        os.close(self.read)
+        os.close(self.write)
+
+
 class Supervisor:
     def __init__(self, settings: Settings, log_level: str, log_format: str):
         self.settings = settings
@@ -112,11 +150,13 @@ class Supervisor:
         """The engine, started; and the pipe's end on which it says its models loaded (first start only)."""
         read, write = os.pipe()
         os.set_blocking(read, False)
-        argv = [sys.executable, "-m", "fusedserve.service.engine_process", "--socket", path, *self._common]
-        engine = Child("engine", [*argv, "--ready-fd", str(write)], self._handoff, (write,))
+        beat = self._heartbeat.write
+        argv = [sys.executable, "-m", "fusedserve.service.engine_process", "--socket", path, *self._common,
+                "--heartbeat-fd", str(beat)]
+        engine = Child("engine", [*argv, "--ready-fd", str(write)], self._handoff, (write, beat))
         engine.start()
         os.close(write)
-        engine.argv, engine.pass_fds = argv, ()  # a restarted engine need not say it
+        engine.argv, engine.pass_fds = argv, (beat,)  # a restarted engine need not say it loaded
         return engine, read
 
     def _on_signal(self, sig: int, frame) -> None:
@@ -141,6 +181,7 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         log.info("supervisor: 1 engine and %d front ends on http://%s:%d", settings.workers, settings.host,
                  socks[0].getsockname()[1])
+        self._heartbeat = Heartbeat()
         try:
             engine, ready_pipe = self._start_engine(path)
             code = self._watch(engine, ready_pipe)
@@ -151,6 +192,7 @@ class Supervisor:
         finally:
             for sock in socks:
                 sock.close()
+            self._heartbeat.close()
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _watch(self, engine: Child, ready_pipe: int) -> int:
@@ -173,10 +215,24 @@ class Supervisor:
                               engine.proc.returncode)
                     self._stop_signal = signal.SIGINT  # nothing was served: no drain
                     return 1
+            self._kill_if_wedged(engine)
             for child in (engine, *self._front_ends):
                 self._restart_if_dead(child)
             time.sleep(POLL_S)
         return 0
+
+    def _kill_if_wedged(self, engine: Child) -> None:
+        """SIGKILL an engine whose event loop stopped beating (SIGSTOP, a deadlock): it answers
+        nothing and never would; ``_restart_if_dead`` then starts a new one."""
+        limit = KILL_AFTER * self.settings.engine_heartbeat_timeout_s
+        if not limit or engine.proc.poll() is not None:
+            return
+        silent = self._heartbeat.silent_s(engine.proc.pid, time.monotonic())
+        if silent > limit:
+            log.error("the engine process (pid %d) sent no heartbeat for %.1f s: its event loop is stopped or "
+                      "wedged; killing it (SIGKILL) to restart it", engine.proc.pid, silent)
+            engine.proc.kill()
+            self._heartbeat.disarm()
 
     def _restart_if_dead(self, child: Child) -> None:
         code = None if child.proc is None else child.proc.poll()  # None: running, or not started yet

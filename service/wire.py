@@ -8,9 +8,10 @@ event loop leave in one system call (``Outbox``).
 Front end -> engine: INFER, one group of requests for one model and timeout gathered in one turn of
 the front end's loop (model index u16, requests u16, cols u32, timeout s f32, 4 pad bytes; per
 request its id u32 and rows u32; then every request's rows, float32, in that order), CANCEL (the
-request's client left or its deadline passed), CONTROL (JSON ``{"op": ...}``).
+request's client left or its deadline passed), CONTROL (JSON ``{"op": ...}``), PING (empty).
 Engine -> front end: RESULT (rows u32, cols u32, float32 data), ERROR (JSON: the ServiceError's
-type, message and headers), REPLY (JSON answer to a CONTROL), STATUS (JSON: models, readiness)."""
+type, message and headers), REPLY (JSON answer to a CONTROL), STATUS (JSON: models, readiness),
+PONG (empty: the answer to a PING, from the engine's event loop; shows it is not wedged)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ INFER_HEAD = struct.Struct("<HHIfxxxx")  # padded to 16 bytes: with 8 per reques
 INFER_ENTRY = struct.Struct("<II")
 MAX_GROUP = 0xFFFF  # requests in one INFER frame
 RESULT_HEAD = struct.Struct("<II")
-INFER, CANCEL, CONTROL, RESULT, ERROR, REPLY, STATUS = range(1, 8)
+INFER, CANCEL, CONTROL, RESULT, ERROR, REPLY, STATUS, PING, PONG = range(1, 10)
 ID_MASK = 0xFFFFFFFF
 _F32 = np.dtype(np.float32)
 
@@ -151,6 +152,9 @@ def json_frame(kind: int, ident: int, payload) -> bytes:
 
 def cancel_frame(ident: int) -> bytes:
     return HEADER.pack(0, CANCEL, ident)
+
+
+PING_FRAME, PONG_FRAME = HEADER.pack(0, PING, 0), HEADER.pack(0, PONG, 0)
 
 
 def error_payload(exc: errors.ServiceError) -> dict:

@@ -2,11 +2,13 @@
 this event loop: a failed batch answers every request over the wire with its error; a request
 withdrawn by the front end, or whose front end left, leaves the engine's queue before its batch
 runs; the engine answers a queued request's deadline itself; requests sent in one turn travel
-and queue as one group, each answered with its own rows."""
+and queue as one group, each answered with its own rows; an engine that stops reading is found by
+the heartbeat, a busy one is not."""
 
 import asyncio
 import itertools
 import threading
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import torch
 from fusedserve.service.batcher import Batcher
 from fusedserve.service.engine_process import Connection, EngineServer
 from fusedserve.service import remote as remote_module
-from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded
+from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NotReady
 from fusedserve.service.remote import RemoteEngine
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ModelInfo, ServiceState
@@ -42,28 +44,49 @@ class GatedRunner:
         return x[:, :2].clone()
 
 
-@pytest.fixture
-async def engines(tmp_path, request):
-    runner = GatedRunner(fail=request.param)
-    settings = Settings(device="cpu", grpc_port=0, workers=1, gc_freeze=False, max_batch_size=8)
+class HeldConnection(Connection):
+    """The engine's side of a connection, whose reading a test can pause as a stopped engine's."""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        super().connection_made(transport)
+
+
+@asynccontextmanager
+async def serving(tmp_path, runner: GatedRunner, **settings):
+    """A ``RemoteEngine`` connected to an ``EngineServer`` serving model "m" on ``runner``; yields
+    it, the batcher and the engine's side of each connection."""
+    settings = Settings(device="cpu", grpc_port=0, workers=1, gc_freeze=False, max_batch_size=8, **settings)
     state = ServiceState.fresh(settings)
     state.models["m"] = ModelInfo("m", 3, 2, "float32", "torch", "cpu")
     batcher = Batcher(runner, max_batch_size=8, max_delay_ms=1.0, max_queue_rows=64, inline_batch_ms=0.0)
     batcher.start()
     state.batchers["m"], state.serving = batcher, True
-    server, origins = EngineServer(state), itertools.count(1)
+    server, origins, connections = EngineServer(state), itertools.count(1), []
+
+    def connect() -> HeldConnection:
+        connections.append(HeldConnection(server, next(origins)))
+        return connections[-1]
+
     path = str(tmp_path / "engine.sock")
-    listener = await asyncio.get_running_loop().create_unix_server(lambda: Connection(server, next(origins)), path)
+    listener = await asyncio.get_running_loop().create_unix_server(connect, path)
     remote = RemoteEngine(path, ServiceState.fresh(settings))
     await remote.start()
     assert remote.ready(), remote.reason()
     try:
-        yield remote, runner, batcher
+        yield remote, batcher, connections
     finally:
         runner.gate.set()
         await remote.close()
         listener.close()
         await batcher.stop()
+
+
+@pytest.fixture
+async def engines(tmp_path, request):
+    runner = GatedRunner(fail=request.param)
+    async with serving(tmp_path, runner) as (remote, batcher, _):
+        yield remote, runner, batcher
 
 
 @pytest.mark.parametrize("engines", [True], indirect=True)
@@ -190,3 +213,40 @@ async def _queue_empties(batcher) -> bool:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+@pytest.mark.timeout(30)
+async def test_a_silent_engine_is_unready_and_its_requests_answered_a_busy_one_is_not(tmp_path):
+    # Heartbeat timeout 1 s. A batch held 2.5 s in the worker thread is a busy engine: its event loop
+    # still answers PINGs. An engine that reads nothing is a stopped one: 503 and unready, until it
+    # reads again.
+    runner = GatedRunner(fail=False)
+    async with serving(tmp_path, runner, engine_heartbeat_timeout_s=1.0) as (remote, _, connections):
+        loop = asyncio.get_running_loop()
+        first = await _hold_the_model(remote, runner)
+        end = loop.time() + 2.5
+        while loop.time() < end:
+            assert remote.ready(), f"a busy engine was taken for a stopped one: {remote.reason()}"
+            await asyncio.sleep(0.1)
+        runner.gate.set()
+        np.testing.assert_array_equal(await asyncio.wait_for(first, 5), ROW[:, :2])
+
+        connections[0].transport.pause_reading()  # the engine process stops: nothing it is sent is read
+        t0 = loop.time()
+        held = asyncio.create_task(remote.infer("m", ROW, 20.0))
+        with pytest.raises(NotReady, match="stopped answering") as caught:
+            await asyncio.wait_for(held, 5)
+        assert 1.0 <= loop.time() - t0 < 3.0, f"answered after {loop.time() - t0:.1f} s"
+        assert caught.value.headers == {"Retry-After": "1"}
+        assert not remote.ready() and "stopped answering" in remote.reason()
+        assert remote.live(), "the front end itself is fine: only readiness says no"
+        with pytest.raises(NotReady, match="stopped answering"):
+            await asyncio.wait_for(remote.infer("m", ROW, 20.0), 1)  # new requests: at once
+
+        connections[0].transport.resume_reading()  # it answers the next PING: serving again
+        for _ in range(50):
+            if remote.ready():
+                break
+            await asyncio.sleep(0.1)
+        assert remote.ready(), remote.reason()
+        np.testing.assert_array_equal(await asyncio.wait_for(remote.infer("m", ROW, 5.0), 5), ROW[:, :2])

@@ -259,3 +259,42 @@ def test_a_child_stops_when_the_supervisor_dies_while_it_starts(tmp_path, role):
         _kill_supervisor_and_wait(s, kids)
     finally:
         s.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_engine_is_unready_at_once_then_killed_and_restarted(tmp_path):
+    # SIGSTOP: the engine's socket still accepts, but nothing answers. Heartbeat timeout 2 s: the
+    # front ends turn unready and answer what the engine held 503 after ~2 s (the deadline is 20 s);
+    # the supervisor kills it at ~4 s and a new engine serves.
+    s = Server(write_repository(tmp_path / "repo"), tmp_path / "server.log", "--workers", "2",
+               "--engine-heartbeat-timeout-s", "2", "--request-timeout-ms", "20000")
+    engine = None
+    try:
+        s.wait_ready()
+        engine = children(s.proc.pid)["engine"][0]
+        os.kill(engine, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            held = c.post("/infer", content=BODY)  # sent to the stopped engine: in flight until found out
+            waited = time.monotonic() - stopped_at
+            assert held.status_code == 503 and "stopped answering" in held.json()["error"], held.text
+            assert waited < 8, f"the held request was answered after {waited:.1f} s"
+        # Each probe on a new connection: 4 land on both front ends, surely enough.
+        ready = [httpx.get(s.url + "/v2/health/ready", timeout=5) for _ in range(4)]
+        assert [r.status_code for r in ready] == [503] * 4, [r.text for r in ready]
+        # (Said "stopped answering", or "not running" once the supervisor killed it.)
+        assert all(re.search("stopped answering|not running", r.json()["error"]) for r in ready), \
+            [r.text for r in ready]
+        end = time.monotonic() + 20
+        while time.monotonic() < end and children(s.proc.pid)["engine"] in ([engine], []):
+            time.sleep(0.1)
+        assert children(s.proc.pid)["engine"] not in ([engine], []), "the stopped engine was not replaced"
+        s.wait_ready(timeout_s=60)
+        r = httpx.post(s.url + "/infer", content=BODY, timeout=10)
+        assert r.status_code == 200 and len(r.json()["outputs"]) == 1, r.text
+        assert "sent no heartbeat" in s.log.read_text()
+    finally:
+        if engine is not None and _running(engine):
+            os.kill(engine, signal.SIGCONT)  # else a failed test leaves it stopped
+        s.stop()
+
