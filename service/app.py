@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fusedserve.service.engine import LocalEngine
+from fusedserve.service.engine import Engine, LocalEngine
 from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.hotpath import HotPath, route
 from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
@@ -100,15 +100,16 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return _error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
 
-def _unexpected_reporter(state: ServiceState):
-    """What the middleware calls on a bug in a framework route: one log record, counted in /metrics."""
+def _unexpected_reporter(engine: Engine):
+    """What the middleware calls on a bug in a framework route: one log record, counted in /metrics
+    (by the engine: a front end's own registry is never scraped under --workers N)."""
 
     def report(scope, exc: Exception) -> None:
         log_unexpected(log, f"{scope['method']} {scope['path']} failed", exc)
-        state.metrics.unexpected.labels("http").inc()
+        engine.record_unexpected("http")
         model = scope.get("state", {}).get("model")
         if model:  # an inference route that got as far as naming its model
-            state.metrics.record_request(model, "error")
+            engine.record_error(model, "error")
 
     return report
 
@@ -150,7 +151,7 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     # Added first, so it runs inside the request id middleware: refusals carry an id and are logged.
     app.add_middleware(GuardMiddleware, guard=guard, is_inference=lambda path: route(path) is not None)
     app.add_middleware(RequestIdMiddleware, is_draining=lambda: state.draining, ids=ids,
-                       on_error=_unexpected_reporter(state))
+                       on_error=_unexpected_reporter(app.state.engine))
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

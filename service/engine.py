@@ -47,6 +47,9 @@ class Engine(Protocol):
     def record_error(self, model: str, outcome: str) -> None:
         """Count a request the front end refused or lost (``ServiceError.outcome``) in the metrics."""
 
+    def record_unexpected(self, where: str) -> None:
+        """Count a request front end ``where`` ("http", "grpc") answered with an internal error (a bug)."""
+
     def failed(self) -> Mapping[str, str]:
         """Models that failed to load or warm up (or were unloaded), and why."""
 
@@ -132,6 +135,9 @@ class LocalEngine:
 
     def record_error(self, model: str, outcome: str) -> None:
         self._state.metrics.record_request(model, outcome)
+
+    def record_unexpected(self, where: str) -> None:
+        self._state.metrics.unexpected.labels(where).inc()
 
     def reason(self) -> str:
         return self._state.reason

@@ -178,6 +178,9 @@ class EngineServer:
         if op == "record_error":
             engine.record_error(message["model"], message["outcome"])
             return None
+        if op == "record_unexpected":
+            engine.record_unexpected(message["where"])
+            return None
         if op == "kernel_stats":
             snap = await engine.kernel_stats()
             snap["processes"] = {

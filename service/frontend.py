@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
 import socket
 
@@ -16,7 +18,11 @@ from fusedserve.service.server import DrainingServer, stop_accepting, uvicorn_co
 from fusedserve.service.settings import Settings
 from fusedserve.service.supervisor import until_orphaned
 
+log = logging.getLogger("fusedserve")
 SIBLINGS_SETTLE_S = 0.2  # how long after SIGTERM every front end's listener is surely closed
+# Tests only: every request for the model this names fails in the front end with a bug (a
+# RuntimeError), so a test can see such failures answered and counted.
+FAULT_ENV = "FUSEDSERVE_TEST_FAULT_MODEL"
 
 
 class FrontEndServer(DrainingServer):
@@ -45,6 +51,19 @@ class FrontEndServer(DrainingServer):
         self.handle_exit(signal.SIGTERM, None)
 
 
+def _inject_fault(engine, model: str) -> None:
+    """Make ``engine.infer`` raise a RuntimeError for ``model`` (``FAULT_ENV``)."""
+    infer = engine.infer
+
+    async def failing(name: str, *args, **kwargs):
+        if name == model:
+            raise RuntimeError(f"fault injected for model {model!r} by {FAULT_ENV}")
+        return await infer(name, *args, **kwargs)
+
+    log.warning("%s is set: every request for model %r fails (tests only)", FAULT_ENV, model)
+    engine.infer = failing
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="fusedserve front-end process (started by the supervisor)")
     p.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
@@ -57,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     configure(args.log_level, args.log_format)
     settings = Settings.from_fd(args.settings_fd)
     app = create_app(settings, engine_process=args.engine)
+    if os.environ.get(FAULT_ENV):
+        _inject_fault(app.state.engine, os.environ[FAULT_ENV])
     config = uvicorn_config(app, settings, args.log_level)  # the guarded protocol, as one process has
     # socket(fileno=) finds the family itself (TCP): asyncio then sets TCP_NODELAY on each connection.
     server = FrontEndServer(config, app.state.service, settings.drain_grace_s, supervisor=args.supervisor)

@@ -27,17 +27,19 @@ SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 OPEN = frozenset({"ServerLive", "ServerReady"})  # answered without an API key, like HTTP's probes
 
 
-def _service_error(exc: Exception) -> ServiceError:
-    """``exc`` itself if it is a ServiceError; anything else is a bug: logged, answered INTERNAL."""
+def _service_error(exc: Exception, engine: Engine) -> ServiceError:
+    """``exc`` itself if it is a ServiceError; anything else is a bug: logged, counted in /metrics,
+    answered INTERNAL."""
     if isinstance(exc, ServiceError):
         return exc
     log_unexpected(log, "gRPC call failed", exc)
+    engine.record_unexpected("grpc")
     return ServiceError("internal error; see the server log")
 
 
 async def _abort(context, engine: Engine, model: str, exc: Exception):
     """Answer ``exc`` as a status: a ServiceError with its own code, anything else INTERNAL (logged)."""
-    exc = _service_error(exc)
+    exc = _service_error(exc, engine)
     engine.record_error(model, exc.outcome)
     await context.abort(exc.grpc_code, exc.message)
 
@@ -168,7 +170,7 @@ class InferenceServicer:
             self._record_cancel(model, context)
             raise
         except Exception as exc:  # noqa: BLE001 - answered on the stream, which goes on
-            exc = _service_error(exc)
+            exc = _service_error(exc, self._engine)
             self._engine.record_error(model, exc.outcome)
             answers.put_nowait(pb.ModelStreamInferResponse(
                 error_message=exc.message,

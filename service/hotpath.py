@@ -104,5 +104,5 @@ class HotPath:
         except Exception as exc:  # a bug, not the client's: logged, and answered rather than dropped
             log_unexpected(log, f"POST {'/infer' if where[0] == 'infer' else 'v2 infer'} failed", exc)
             engine.record_error(model, "error")
-            state.metrics.unexpected.labels("http").inc()
+            engine.record_unexpected("http")
             return 500, INTERNAL_ERROR, _JSON, {}

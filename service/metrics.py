@@ -76,7 +76,8 @@ class Metrics:
                                       ["model", "layer", "kernel"], registry=r)
         self.kernel_launches = Counter("fusedserve_kernel_launches", "Layer launches",
                                        ["model", "layer", "kernel"], registry=r)
-        self.unexpected = Counter("fusedserve_unexpected_errors", "Requests answered 500 by a bug, by front end",
+        self.unexpected = Counter("fusedserve_unexpected_errors",
+                                  "Requests answered with an internal error by a bug, by front end (http, grpc)",
                                   ["front_end"], registry=r)
         # Labelled children, looked up once: labels() takes a lock and builds a key on every call.
         self._children: dict[str, tuple] = {}

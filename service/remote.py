@@ -250,11 +250,16 @@ class RemoteEngine(asyncio.Protocol):
             self._outbox.send(wire.cancel_frame(ident))
 
     def record_error(self, model: str, outcome: str) -> None:
-        # The engine owns the metrics: a front end's refusals are counted there (lost while it is gone
-        # or silent: nothing would read them, and they would pile up in this process).
+        self._tell("record_error", model=model, outcome=outcome)
+
+    def record_unexpected(self, where: str) -> None:
+        self._tell("record_unexpected", where=where)
+
+    def _tell(self, op: str, **fields) -> None:
+        # The engine owns the metrics: a front end's counts go there (lost while it is gone or silent:
+        # nothing would read them, and they would pile up in this process).
         if self._outbox is not None and self._stuck is None:
-            self._outbox.send(wire.json_frame(wire.CONTROL, 0, {"op": "record_error", "model": model,
-                                                                  "outcome": outcome}))
+            self._outbox.send(wire.json_frame(wire.CONTROL, 0, {"op": op, **fields}))
 
     async def _ask(self, op: str, **fields):
         if self._outbox is None or self._stuck is not None:

@@ -14,6 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
+from fusedserve.service.frontend import FAULT_ENV
+
 from .conftest import Server, write_repository
 
 CLIENTS = 16
@@ -298,3 +300,41 @@ def test_a_stopped_engine_is_unready_at_once_then_killed_and_restarted(tmp_path)
             os.kill(engine, signal.SIGCONT)  # else a failed test leaves it stopped
         s.stop()
 
+
+def _unexpected(text: str) -> dict[str, float]:
+    found = re.findall(r'fusedserve_unexpected_errors_total\{front_end="(\w+)"\} ([0-9.e+]+)', text)
+    return {where: float(value) for where, value in found}
+
+
+@pytest.mark.timeout(60)
+def test_front_ends_unexpected_errors_are_counted_in_metrics(tmp_path, monkeypatch):
+    # A bug in a front end (injected: every request for "wide" raises there) answered over HTTP
+    # and gRPC is counted in /metrics, whichever front end answers the scrape.
+    triton_grpc = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    monkeypatch.setenv(FAULT_ENV, "wide")
+    s = Server(write_repository(tmp_path / "repo"), tmp_path / "server.log", "--workers", "2")
+    try:
+        s.wait_ready()
+        r = httpx.post(s.url + "/infer", json={"model": "wide", "inputs": [[1, 2, 3, 4, 5]]}, timeout=10)
+        assert r.status_code == 500, r.text
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{s.grpc_port}")
+        try:
+            x = triton_grpc.InferInput("input", [1, 5], "FP32")
+            x.set_data_from_numpy(np.ones((1, 5), dtype=np.float32))
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("wide", [x], client_timeout=10)
+        finally:
+            client.close()
+        assert caught.value.status() == "StatusCode.INTERNAL", caught.value
+        want = {"http": 1.0, "grpc": 1.0}
+        end = time.monotonic() + 5  # the counts travel to the engine beside the answers
+        while time.monotonic() < end and _unexpected(httpx.get(s.url + "/metrics", timeout=5).text) != want:
+            time.sleep(0.05)
+        for _ in range(4):  # new connections: both front ends answer some of the scrapes
+            text = httpx.get(s.url + "/metrics", timeout=5).text
+            assert _unexpected(text) == want, [line for line in text.splitlines() if "unexpected" in line]
+            assert 'fusedserve_requests_total{model="wide",outcome="error"} 2.0' in text
+    finally:
+        s.stop()
