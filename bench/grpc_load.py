@@ -24,7 +24,9 @@ so drifting machine noise hits all alike:
 
 Each run is bounded by ``--duration`` and each call by a timeout; loopback only. Per run: req/s,
 p50/p99, errors, the server's CPU time per request (all its threads, from /proc), the client's, and
-the mean batch rows (/kernel-stats). Writes ``bench/results/grpc_load_<host>.json``.
+the mean batch rows (/kernel-stats). Appends the run to ``OUT/grpc_load.jsonl`` (``bench/runs.py``;
+OUT defaults to bench/results): every run as a row, the medians and gRPC's ratios to HTTP per client
+count as the summary.
 
     python bench/grpc_load.py              # ~4 min on the 2-core dev machine
     python bench/grpc_load.py --device cuda --procs 8 --fusedserve-flags "--workers 8"   # a GPU host
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import platform
@@ -62,7 +63,8 @@ from bench.h2_client import (METHOD, STREAM_METHOD, raw_stream_client,  # noqa: 
 from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec  # noqa: E402
 from fusedserve.service.grpc_calls import length_prefixed  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
+from bench import runs  # noqa: E402
+
 MAX_CLIENTS = 256  # a bound on the load this script may generate
 SPREAD_START_S = 1.0  # load-generator processes start their clients together, this long after the run is handed out
 
@@ -377,6 +379,12 @@ def _machine() -> dict:
             "grpcio": grpc.__version__, "torch": torch.__version__}
 
 
+def _gpu() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
 def run(args, work: Path) -> dict:
     floors = [] if args.no_floor else ["grpc_floor", "grpc_stream_floor", "grpc_raw_floor", "grpc_raw_stream_floor"]
     modes = ["grpc", "grpc_shared", "grpc_stream", "grpc_raw", "grpc_raw_stream", "http_v2", "http_infer"] + floors
@@ -433,7 +441,7 @@ def main(argv=None) -> None:
     parser.add_argument("--target", type=float, default=1.2, help="gRPC req/s over HTTP's asked for (issue 22)")
     parser.add_argument("--no-floor", action="store_true", help="skip the bare grpc.aio server (all floors)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for warm-up")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/grpc_load_<host>.json)")
+    runs.arguments(parser)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where fusedserve runs the model")
     parser.add_argument("--procs", type=int, default=1,
                         help="load-generator processes, the clients spread over them (a GPU host: 8)")
@@ -447,19 +455,17 @@ def main(argv=None) -> None:
         parser.error(f"client counts must be 1..{MAX_CLIENTS}")
     if not 1 <= args.procs <= 64:
         parser.error("--procs must be 1..64")
-    out = args.out or RESULTS / f"grpc_load_{socket.gethostname()}.json"
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fusedserve_grpc_load_") as work:
         report = run(args, Path(work))
-    report = {"date": datetime.date.today().isoformat(), "machine": _machine(), "model": "digits (shipped)",
-              "device": args.device, "procs": args.procs, "fusedserve_flags": args.fusedserve_flags,
-              "rows_per_request": 1, "duration_s": args.duration, "reps": args.reps, "target": args.target,
-              "wall_s": round(time.monotonic() - started, 1), **report}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    line = runs.Run("grpc_load", args.out, gpu=_gpu() if args.device == "cuda" else None, note=args.note,
+                    machine=_machine(), model="digits (shipped)", device=args.device, procs=args.procs,
+                    fusedserve_flags=args.fusedserve_flags, rows_per_request=1, duration_s=args.duration,
+                    reps=args.reps, target=args.target, wall_s=round(time.monotonic() - started, 1))
+    line.save(report["results"], report["summary"])
     for row in report["summary"]:
         print(json.dumps({k: v for k, v in row.items() if "_over_" in k or k == "clients"}))
-    print(f"wrote {out} in {report['wall_s']:.0f} s")
+    print(f"appended the run to {line.path} in {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -2,19 +2,19 @@
 
 Run on a CUDA GPU from the repository root:
 
-    python bench/kernels.py --out DIR [--quick] [--ms 1,4,16 --dtypes float16,bfloat16 --tag TAG]
-    python bench/kernels.py --out DIR --merge RUN.json ...   # no GPU: several runs into one (merge_runs)
-    python bench/kernels.py --out DIR --random 40 --seed 1 --budget-s 540   # shapes drawn at random
+    python bench/kernels.py [--quick] [--ms 1,4,16 --dtypes float16,bfloat16] [--plot kernels.png]
+    python bench/kernels.py --random 40 --seed 1 --budget-s 540   # shapes drawn at random
+    python bench/kernels.py --merge bench/results/kernels.jsonl:12 ...   # no GPU: runs merged (merge_runs)
 
-Writes ``DIR/kernels_<tag>.json`` (tag ``h200`` by default; {"gpu", "date", "torch", "triton",
-"copy_tbps", "matmul_tflops", "complete", "rows": [{"M", "N", "K", "dtype", "impl", "median_us", "tflops",
-"tbps", ...}]}; rewritten after every shape with "complete": false, so a killed run keeps its
-rows) and ``DIR/kernels_<tag>.png`` (achieved TFLOP/s and TB/s against the copy bandwidth and the
-matmul peak, both measured in the same run), and prints a table plus the targets of issue 3.
-Every run also times ``fusedserve_provisional`` (the choice a cold server starts on, before
-tuning) and writes "summary": ours against the better peer, provisional against tuned (issue 23).
-``--random N --seed S`` times N shapes drawn from S (``bench/kernel_random.py``) instead of the
-grid, tag ``<tag>_random<N>_s<S>``, with a plot of the ratios (``..._ratios.png``).
+Appends the run to ``OUT/kernels.jsonl`` (``bench/runs.py``; OUT defaults to bench/results): rows
+[{"M", "N", "K", "dtype", "impl", "median_us", "tflops", "tbps", ...}], "summary", and "torch",
+"triton", "copy_tbps", "matmul_tflops", "complete", "truncated"; the line is rewritten after every
+shape with "complete": false, so a killed run keeps its rows. ``--plot PNG`` draws the achieved TFLOP/s
+and TB/s against the copy bandwidth and the matmul peak, both measured in the same run. Prints a
+table plus the targets of issue 3. Every run also times ``fusedserve_provisional`` (the choice a
+cold server starts on, before tuning); "summary" holds ours against the better peer and provisional
+against tuned (issue 23). ``--random N --seed S`` times N shapes drawn from S
+(``bench/kernel_random.py``) instead of the grid, and ``--plot`` adds the ratios (``..._ratios.png``).
 
 Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
 replays of many calls that cycle over enough (x, W, b) sets that each call finds its weights out of
@@ -25,12 +25,11 @@ GPU's clocks during the shape is shared by all of them rather than charged to wh
 """
 
 import argparse
-import datetime
-import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from fusedserve.kernels import KERNELS, fused_linear, kernel_choice, run_kernel, tune_cache  # noqa: E402  (sys.path)
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.precision import dot_precision  # noqa: E402
+from bench import runs  # noqa: E402
 from bench.kernel_random import (describe_provisional, draw_shapes, peer_summary, plot_ratios, print_summaries,  # noqa: E402
                                  provisional_linear, provisional_summary)
 
@@ -425,14 +425,14 @@ def _nk_list(text):
     return pairs
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="directory for the JSON and PNG")
+    runs.arguments(parser)
     parser.add_argument("--quick", action="store_true",
                         help=f"fewer shapes and repeats, torch.compile only for bf16 M in {QUICK_COMPILE_MS}")
     parser.add_argument("--tune-cache", type=Path, default=None,
-                        help="fusedserve's tune cache directory (default OUT/tune_cache: configs tuned "
-                             "alone on the GPU, not under the contention of parallel test workers)")
+                        help="fusedserve's tune cache directory (default a fresh one: configs tuned alone on "
+                             "the GPU, not under the contention of parallel test workers)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new shapes after this many seconds, torch.compile's compile "
                              "time not counted (default 140 quick, 480 full)")
@@ -443,35 +443,37 @@ def main():
     parser.add_argument("--nk", type=_nk_list, default=None,
                         help="full plan at these NxK only (comma-separated, e.g. 8192x8192,1024x1024)")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out (saves its compile time)")
-    parser.add_argument("--tag", default="h200", help="file name suffix: kernels_<tag>.json/.png")
     parser.add_argument("--random", type=int, default=None, metavar="N",
                         help="N shapes drawn at random (M 1-8192, N and K multiples of 8 in 256-16384, "
                              "bf16/fp16) instead of the grid; no per-family rows, no torch.compile")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random's shapes")
-    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
-                        help="no GPU needed: merge these runs' JSON (oldest first; see merge_runs) into "
-                             "OUT/kernels_<tag>.json and its plot, and print the table and the targets")
-    args = parser.parse_args()
+    parser.add_argument("--merge", nargs="+", metavar="RUN",
+                        help="no GPU needed: these runs (FILE.jsonl:LINE, oldest first; see merge_runs) merged, "
+                             "one alone as it is: print the table, the targets and the summaries, draw --plot; "
+                             "appends nothing")
+    return parser.parse_args(argv)
+
+
+def show_merged(args):
+    merged = merge_runs([runs.pick(spec) for spec in args.merge])
+    log(f"{len(merged['rows'])} rows from {len(args.merge)} runs")
+    if args.plot:
+        plot(merged["rows"], merged["copy_tbps"], merged["matmul_tflops"], args.plot, merged["gpu"])
+    print_table(merged["rows"])
+    print_targets(merged["rows"])
+    print_summaries(log, summaries(merged["rows"]))
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.merge:
-        merged = merge_runs([json.loads(path.read_text()) for path in args.merge])
-        merged["summary"] = summaries(merged["rows"])
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"kernels_{args.tag}.json"
-        path.write_text(json.dumps(merged, indent=1))
-        log(f"wrote {path} ({len(merged['rows'])} rows from {len(args.merge)} runs)")
-        plot(merged["rows"], merged["copy_tbps"], merged["matmul_tflops"], args.out / f"kernels_{args.tag}.png",
-             merged["gpu"])
-        print_table(merged["rows"])
-        print_targets(merged["rows"])
-        print_summaries(log, summaries(merged["rows"]))
-        return
+        return show_merged(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
     budget = args.budget_s or (140 if args.quick else 480)
     repeats = 7 if args.quick else 15
-    args.out.mkdir(parents=True, exist_ok=True)
     # Read when fusedserve first tunes, which is after this line.
-    os.environ[tune_cache.ENV_VAR] = str(args.tune_cache or args.out / "tune_cache")
+    os.environ[tune_cache.ENV_VAR] = str(args.tune_cache or tempfile.mkdtemp(prefix="fusedserve-tune-"))
     t0 = time.perf_counter()
 
     copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
@@ -480,18 +482,10 @@ def main():
     compile_cache = CompileCache(args.quick)
     rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
     if args.random:
-        shapes, args.tag, args.no_compile = draw_shapes(args.random, args.seed), f"{args.tag}_random{args.random}_s" \
-            f"{args.seed}", True
-    path = args.out / f"kernels_{args.tag}.json"
-    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-    def write(complete):  # after every shape too, so a run killed by its caller keeps what it measured
-        result = dict(gpu=gpu, tune_cache=os.environ[tune_cache.ENV_VAR], date=date,
-                      torch=torch.__version__, triton=triton.__version__, quick=args.quick, truncated=truncated,
-                      complete=complete, copy_tbps=round(copy_tbps, 3), matmul_tflops=round(peak, 1), rows=rows,
-                      random=dict(n=args.random, seed=args.seed) if args.random else None, summary=summaries(rows))
-        path.write_text(json.dumps(result, indent=1))
-
+        shapes, args.no_compile = draw_shapes(args.random, args.seed), True
+    run = runs.Run("kernels", args.out, gpu=gpu, quick=args.quick, seed=args.seed if args.random else None,
+                   note=args.note, torch=torch.__version__, triton=triton.__version__, copy_tbps=round(copy_tbps, 3),
+                   matmul_tflops=round(peak, 1), random=dict(n=args.random, seed=args.seed) if args.random else None)
     for i, (M, N, K, dtype) in enumerate(shapes, 1):
         if time.perf_counter() - t0 - compile_cache.spent > budget:
             log(f"time budget of {budget:.0f} s spent: stopping before shape {i}/{len(shapes)}")
@@ -505,12 +499,15 @@ def main():
         cells = ", ".join(f"{r['impl']} {r['median_us']:.1f}" for r in new if "median_us" in r)
         log(f"[{i}/{len(shapes)} {time.perf_counter() - t0:5.0f}s] M={M} N={N} K={K} "
             f"{str(dtype).removeprefix('torch.')}: {cells}")
-        write(complete=False)
+        # After every shape too, so a run killed by its caller keeps what it measured.
+        run.save(rows, summaries(rows), complete=False, truncated=truncated)
 
-    write(complete=True)
-    log(f"wrote {path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
-    plot(rows, copy_tbps, peak, args.out / f"kernels_{args.tag}.png", gpu)
-    plot_ratios(rows, args.out / f"kernels_{args.tag}_ratios.png", gpu, log)
+    run.save(rows, summaries(rows), complete=True, truncated=truncated)
+    log(f"appended the run to {run.path} ({len(rows)} rows, {time.perf_counter() - t0:.0f} s)")
+    if args.plot:
+        plot(rows, copy_tbps, peak, args.plot, gpu)
+        if args.random:
+            plot_ratios(rows, args.plot.with_name(f"{args.plot.stem}_ratios.png"), gpu, log)
     print_table(rows)
     print_targets(rows)
     print_summaries(log, summaries(rows))

@@ -9,20 +9,23 @@ reversed every other round (A B C, C B A, ...) so drifting machine noise hits al
 comes from several processes (bench/loadgen.py), each run bounded by --duration and --max-requests.
 Per run: req/s, p50/p90/p99, errors by status, CPU time per request of the server's whole process
 tree (and of the load generator, the idle servers and the machine, which share the cores).
-``--profile`` samples fusedserve with py-spy under 64 clients and times one request's stages.
-``--protocol v2-binary`` sends KServe v2 infer requests with binary tensors (tritonclient.http's
-default form) instead of JSON ``/infer``: a wide row's cost without JSON, on the servers that speak v2.
-Writes ``bench/results/load_<host>.json`` and a latency-throughput plot beside it.
+``--profile`` samples fusedserve with py-spy under 64 clients (its collapsed stacks kept in the run)
+and times one request's stages. ``--protocol v2-binary`` sends KServe v2 infer requests with binary
+tensors (tritonclient.http's default form) instead of JSON ``/infer``: a wide row's cost without
+JSON, on the servers that speak v2. Appends the run to ``OUT/load.jsonl`` (``bench/runs.py``; OUT
+defaults to bench/results): every run of a server as a row, each group's spread over rounds as the
+summary (bench/load_report.py), issue 22's targets and the ratios; ``--plot PNG`` draws latency
+against throughput.
 
     python bench/load.py --device cpu --clients 1 16 64 --profile   # the 2-core box, ~8 min
     python bench/load.py --device cuda --quick                      # a GPU host, ~4 min once warm
+    python bench/load.py --replot bench/results/load.jsonl:5 --plot load.png   # a stored run's plot
     python bench/load.py --fusedserve-flags="--workers 4" --server 'mine=python -m mymod --port {port}'
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -40,11 +43,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench, models and service import from the checkout
 
-from bench import load_profile, load_report  # noqa: E402
+from bench import load_profile, load_report, runs  # noqa: E402
 from bench.loadgen import LoadPool  # noqa: E402
 from bench.servers import ServerProcess, available, default_servers, parse_server, read_procs  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 WIDE = 2048  # width of every layer of the "wide" model
 
 
@@ -74,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-clients", type=int, nargs="+", default=[1, 64], help="client counts --profile samples")
     p.add_argument("--profile-model", default="digits", choices=["digits", "wide"], help="the model --profile drives")
     p.add_argument("--ready-timeout", type=float, default=400.0, help="seconds a server may take to warm up")
-    p.add_argument("--out", type=Path, help="JSON path (default bench/results/load_<host>.json)")
+    p.add_argument("--replot", metavar="RUN", help="only draw --plot from a stored run, FILE.jsonl:LINE")
+    runs.arguments(p)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.clients = args.clients or ([1, 64, 256] if cuda else [1, 64] if args.quick else [1, 16, 64])
@@ -82,7 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.duration = args.duration or (2.0 if args.quick else 5.0)
     args.budget_s = args.budget_s or (150.0 if args.quick else None)
     args.naive_workers = args.naive_workers or (12 if cuda else cores)
-    args.out = args.out or RESULTS / f"load_{socket.gethostname()}.json"
     return args
 
 
@@ -221,16 +223,16 @@ def rounds(pool: LoadPool, servers: dict, traffic: dict, args, started: float) -
     return runs, False
 
 
-def profile(pool: LoadPool, servers: dict, traffic: dict, args) -> dict:
+def profile(pool: LoadPool, servers: dict, traffic: dict, args, work: Path) -> dict:
     """Our server under 1 and 64 digits clients (untimed runs): CPU by thread, and py-spy's samples
-    where it is installed (the stacks are kept beside the JSON, for a flame graph)."""
+    where it is installed (the collapsed stacks kept in the run, for a flame graph)."""
     if args.ours not in servers:
         return {"skipped": f"{args.ours} is not among the servers"}
     s, seconds, found = servers[args.ours], max(args.duration, 5.0), {}
     s.resume()
     for clients in args.profile_clients:
         spy = None
-        out = args.out.with_name(f"{args.out.stem}_pyspy_{clients}c.txt")
+        out = work / f"pyspy_{clients}c.txt"
         if load_profile.py_spy() is not None:
             spy = load_profile.record(s.proc.pid, seconds, out)
             time.sleep(0.5)  # py-spy attaches
@@ -250,8 +252,8 @@ def profile(pool: LoadPool, servers: dict, traffic: dict, args) -> dict:
         text = out.read_text()
         stacks = load_profile.parse_stacks(text)
         found[clients]["by_process"] = load_profile.summarize_by_process(text)
-        out.write_text("".join(f"{';'.join(k)} {n}\n" for k, n in stacks.most_common()))  # no process frame
-        found[clients].update(stacks_file=out.name, **load_profile.summarize_stacks(stacks))
+        found[clients].update(**load_profile.summarize_stacks(stacks),  # the stacks without the process frame
+                              stacks="".join(f"{';'.join(k)} {n}\n" for k, n in stacks.most_common()))
     return {"server": args.ours, "model": args.profile_model, "seconds": seconds, "by_clients": found}
 
 
@@ -330,7 +332,7 @@ def benchmark(args, work: Path, started: float) -> dict:
             t0 = time.monotonic()
             runs, cut = rounds(pool, servers, traffic, args, t0)
             runs_s = time.monotonic() - t0
-            prof = profile(pool, servers, traffic, args) if args.profile else None
+            prof = profile(pool, servers, traffic, args, work) if args.profile else None
         argv = {n: s.argv for n, s in servers.items()}
     finally:
         stop(servers)
@@ -343,35 +345,46 @@ def portable(text: str) -> str:
     return text.replace(json.dumps(sys.executable)[1:-1], "python").replace(json.dumps(str(ROOT))[1:-1], ".")
 
 
+def title(report: dict) -> str:
+    """The plot's title: what was sent, and where."""
+    config, machine = report["config"], report["machine"]
+    route = "/infer" if config["protocol"] == "json" else "KServe v2 infer, binary tensors"
+    return (f"{route}, {config['rows']} row(s)/request, {report['device']} on {machine['host']} "
+            f"({machine['cores']} cores)")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.replot:
+        report = runs.pick(args.replot)
+        load_report.plot(report["summary"], args.plot or Path("load.png"), title(report))
+        return
     started = time.monotonic()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fusedserve_load_"))  # the repository and the servers' logs
     try:
         result = benchmark(args, work, started)
     finally:
         shutil.rmtree(work)
-    summary = load_report.summarize(result["runs"])
+    measured = result.pop("runs")
+    summary = load_report.summarize(measured)
     naive_one, naive_many = "naive_fastapi_1w", f"naive_fastapi_{args.naive_workers}w"
-    p50s = [r["p50_ms"] for r in result["runs"] if (r["model"], r["clients"], r["server"]) == ("digits", 1, args.ours)]
+    p50s = [r["p50_ms"] for r in measured if (r["model"], r["clients"], r["server"]) == ("digits", 1, args.ours)]
     if args.profile and args.ours == "fusedserve":  # in this process: after the servers, on quiet cores
         digits = request_traffic("digits", 64, 1).bodies[0]
         result["profile"]["stages_us"] = load_profile.stages(args.device, digits, np.median(p50s) if p50s else None,
                                                              reps=1000)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(args), "device": args.device,
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "wall_s": round(time.monotonic() - started, 1), "summary": summary,
-              "ratios": load_report.ratios(summary, args.ours),
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "replot", "note")}
+    report = {"machine": machine(args), "device": args.device, "config": config,
+              "wall_s": round(time.monotonic() - started, 1), "ratios": load_report.ratios(summary, args.ours),
               "targets": load_report.evaluate(summary, args.device, args.ours, naive_one, naive_many), **result}
-    args.out.write_text(portable(json.dumps(report, indent=1)) + "\n")
-    png = args.out.with_suffix(".png")
-    route = "/infer" if args.protocol == "json" else "KServe v2 infer, binary tensors"
-    title = f"{route}, {args.rows} row(s)/request, {args.device} on {report['machine']['host']} ({report['machine']['cores']} cores)"
-    plotted = load_report.plot(summary, png, title)
+    # Neither this machine's interpreter nor its checkout's path goes into the results.
+    measured, summary, report = json.loads(portable(json.dumps([measured, summary, report])))
+    run = runs.Run("load", args.out, gpu=report["machine"]["gpu"], quick=args.quick, note=args.note, **report)
+    run.save(measured, summary)
     print("\n".join(load_report.format_targets(report["targets"])))
-    print(f"wrote {args.out}" + (f" and {png}" if plotted else " (no plot: matplotlib is missing)"))
+    print(f"appended the run to {run.path}")
+    if args.plot and not load_report.plot(summary, args.plot, title({**report, "config": config})):
+        print("no plot: matplotlib is missing")
 
 
 if __name__ == "__main__":

@@ -4,18 +4,19 @@ per model and batch size; plus the cost of live timings.
 
 Run on a CUDA GPU from the repository root:
 
-    python bench/model.py [--out bench/results] [--quick]
-    python bench/model.py --replot bench/results/model_h200.json   # redraw the PNG only (any machine)
+    python bench/model.py [--quick] [--plot model.png]
+    python bench/model.py --replot bench/results/model.jsonl:3 --plot model.png   # any machine
     python bench/model.py --contract [--quick] [--budget-s 500]   # the serving contract instead
 
 ``--contract`` times what the service calls, host rows in and out, against a torch CUDA graph with
-pinned staging (``bench/model_contract.py``, ``OUT/model_contract_<tag>.json``); the rest of this
-file measures the device-only side, the input already on the GPU.
+pinned staging (``bench/model_contract.py``, ``OUT/model_contract.jsonl``); the rest of this file
+measures the device-only side, the input already on the GPU.
 
-Writes ``OUT/model_<tag>.json`` ({"gpu", "date", "rows": [{"model", "batch", "impl", "median_us",
-...}], "failures", "timing_overhead", the torch/triton versions and the method}; rewritten after
-every row, with "complete": false until the end) and ``OUT/model_<tag>.png`` (latency per batch,
-one panel per model), and prints a table and the targets of issue 4.
+Appends the run to ``OUT/model.jsonl`` (``bench/runs.py``; OUT defaults to bench/results): rows
+[{"model", "batch", "impl", "median_us", ...}], "summary" (issue 4's targets missed), "failures",
+"timing_overhead", the torch/triton versions and the method; rewritten after every row, with
+"complete": false until the end. ``--plot PNG`` draws latency per batch, one panel per model.
+Prints a table and the targets of issue 4.
 
 Models: ``digits`` (the shipped 64-256-256-10 ReLU MLP, float32), ``mlp4x1024`` and ``mlp4x4096``
 (4 linear layers of that width, ReLU between them, bfloat16, random weights). Every impl computes
@@ -42,7 +43,6 @@ says how much each part costs.
 """
 
 import argparse
-import datetime
 import gc
 import json
 import math
@@ -61,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from fusedserve.kernels.device import gc_paused
 from fusedserve.kernels.precision import dot_precision
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model
+
+from bench import runs
 
 MODELS = ("digits", "mlp4x1024", "mlp4x4096")
 BATCHES = (1, 8, 64, 512, 4096)
@@ -316,27 +318,26 @@ def worker(items: list[tuple[str, int, str]], repeats: int) -> None:
 # -- the parent: children, results file, summary ---------------------------------------------
 
 class Results:
-    """The JSON file, rewritten after every row so a later crash or kill keeps what was measured."""
+    """The run's line (``bench/runs.py``), rewritten after every row so a later crash or kill keeps
+    what was measured."""
 
-    def __init__(self, path: Path, repeats: int):
-        self.path = path
-        self.data = {
-            "gpu": torch.cuda.get_device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "method": "CUDA events around back-to-back calls on a GPU-resident input; median over "
-                      f"{repeats} repeats of elapsed/calls; host copies excluded for every impl; "
-                      "each (model, batch, impl) built, checked and timed alone in a child process",
-            "complete": False, "rows": [], "failures": [], "timing_overhead": [],
-        }
+    def __init__(self, out: Path, repeats: int, quick: bool, note: str | None):
+        self.data = {"rows": [], "failures": [], "timing_overhead": []}
+        self.complete = False
+        self.run = runs.Run(
+            "model", out, gpu=torch.cuda.get_device_name(), quick=quick, note=note, torch=torch.__version__,
+            triton=__import__("triton").__version__,
+            method="CUDA events around back-to-back calls on a GPU-resident input; median over "
+                   f"{repeats} repeats of elapsed/calls; host copies excluded for every impl; "
+                   "each (model, batch, impl) built, checked and timed alone in a child process")
 
     def add(self, key: str, value: dict) -> None:
         self.data[key].append(value)
         self.write()
 
     def write(self) -> None:
-        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+        self.run.save(self.data["rows"], summary(self.data), complete=self.complete,
+                      failures=self.data["failures"], timing_overhead=self.data["timing_overhead"])
 
 
 def _pump(stream, lines: queue.Queue) -> None:
@@ -411,26 +412,37 @@ def speedups(rows):
     return out
 
 
+def _overhead_met(o: dict) -> bool:
+    """Met only when the difference plus two standard errors stays under 2%."""
+    return o["overhead_pct"] + 2 * o.get("overhead_stderr_pct", 0.0) < 2
+
+
+def summary(data) -> dict:
+    """Issue 4's targets: the (model, batch) where fusedserve misses its speed-up over the best torch
+    impl, and whether the cost of live timings stays under 2%."""
+    misses = [f"{model} batch={batch}: {theirs / ours:.2f}x vs best torch ({best}), target {target(model, batch)}x"
+              for (model, batch), (ours, best, theirs) in speedups(data["rows"]).items()
+              if theirs / ours < target(model, batch)]
+    overhead = [_overhead_met(o) for o in data["timing_overhead"]]
+    return {"misses": misses, "met": not misses and all(overhead), "timing_overhead_met": overhead}
+
+
 def print_summary(data):
     rows = data["rows"]
     log(f"\n{'model':10s} {'batch':>5s} " + " ".join(f"{i:>17s}" for i in IMPLS) + "  path     speed-up  target")
     cells = {(r["model"], r["batch"], r["impl"]): r for r in rows}
-    misses = []
     for (model, batch), (ours, best, theirs) in sorted(speedups(rows).items(), key=lambda kv: (MODELS.index(kv[0][0]), kv[0][1])):
         times = " ".join(f"{cells[(model, batch, i)]['median_us'] if (model, batch, i) in cells else float('nan'):17.1f}"
                          for i in IMPLS)
         ratio, want = theirs / ours, target(model, batch)
-        if ratio < want:
-            misses.append(f"{model} batch={batch}: {ratio:.2f}x vs best torch ({best}), target {want}x")
         path = cells[(model, batch, "fusedserve")].get("path", "?")
         log(f"{model:10s} {batch:5d} {times}  {path:7s} {ratio:6.2f}x   {want}x {'ok' if ratio >= want else 'MISSED'}")
+    misses = summary(data)["misses"]
     log("\ntargets: " + ("all met" if not misses else f"{len(misses)} missed"))
     for miss in misses:
         log(f"  {miss}")
     for o in data["timing_overhead"]:
-        # Met only when the difference plus two standard errors stays under 2%.
-        bound = o["overhead_pct"] + 2 * o.get("overhead_stderr_pct", 0.0)
-        verdict = "ok" if bound < 2 else "NOT shown under the 2% target"
+        verdict = "ok" if _overhead_met(o) else "NOT shown under the 2% target"
         log(f"timing overhead ({o['model']} batch={o['batch']}, run() incl. host copies): "
             f"{o['overhead_pct']:+.2f}% +- {o.get('overhead_stderr_pct', 0.0):.2f} {verdict}")
     for f in data["failures"]:
@@ -465,29 +477,28 @@ def plot(rows, path, gpu):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    runs.arguments(parser)
     parser.add_argument("--quick", action="store_true",
                         help=f"fewer repeats; torch.compile only at {QUICK_COMPILE}")
-    parser.add_argument("--tag", default="h200", help="file name suffix: model_<tag>.json/.png")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     parser.add_argument("--contract", action="store_true",
                         help="time the serving contract instead (host rows in and out; bench/model_contract.py)")
     parser.add_argument("--budget-s", type=float, default=500, help="--contract: start no new model after this")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # child mode: model:batch:impl,...
     parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--replot", type=Path, metavar="JSON",
-                        help="only redraw the PNG beside a results JSON written by this script (no GPU needed)")
+    parser.add_argument("--replot", metavar="RUN",
+                        help="only draw --plot from a stored run, FILE.jsonl:LINE (no GPU needed)")
     args = parser.parse_args()
     if args.replot:
-        data = json.loads(args.replot.read_text())
-        plot(data["rows"], args.replot.with_suffix(".png"), data["gpu"])
+        data = runs.pick(args.replot)
+        plot(data["rows"], args.plot or Path("model.png"), data["gpu"])
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench/model.py needs a CUDA GPU")
     if args.contract:
         from bench.model_contract import run
 
-        run(args.out, args.tag, args.quick, args.budget_s)
+        run(args.out, args.quick, args.budget_s, args.note, args.plot)
         return
     if args.worker:
         items = [(n, int(b), i) for n, b, i in (s.split(":") for s in args.worker.split(","))]
@@ -499,9 +510,7 @@ def main():
     repeats = 5 if args.quick else 15
     started = time.perf_counter()
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"model_{args.tag}.json"
-    results = Results(json_path, repeats)
+    results = Results(args.out, repeats, args.quick, args.note)
     ours = [(m, b, i) for m in models for b in BATCHES for i in IMPLS[:3]]
     if OVERHEAD[0] in models:
         ours.insert((models.index(OVERHEAD[0]) + 1) * len(BATCHES) * 3, OVERHEAD)  # after its model's rows
@@ -510,11 +519,12 @@ def main():
                 for impl in ("torch_compile", "torch_compile_graph")]
     for group in (ours, *compiled):
         run_children(group, repeats, results)
-    results.data["complete"] = True
+    results.complete = True
     results.write()
-    plot(results.data["rows"], args.out / f"model_{args.tag}.png", results.data["gpu"])
+    if args.plot:
+        plot(results.data["rows"], args.plot, results.run.head["gpu"])
     print_summary(results.data)
-    log(f"\nwrote {json_path} and its .png in {time.perf_counter() - started:.0f} s")
+    log(f"\nappended the run to {results.run.path} in {time.perf_counter() - started:.0f} s")
     problems = [f"{r['model']} batch={r['batch']} {r['impl']}: {r['mismatch']}"
                 for r in results.data["rows"] if "mismatch" in r]
     if problems or results.data["failures"]:

@@ -4,11 +4,11 @@ CUDA graph of the same model with pinned staging buffers and the casts inside th
 
 Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs the same):
 
-    python bench/model_contract.py [--out bench/results] [--tag h200] [--budget-s 500] [--quick]
+    python bench/model_contract.py [--budget-s 500] [--quick] [--plot model_contract.png]
 
-Writes ``OUT/model_contract_<tag>.json`` ({"gpu", "date", "method", "complete", "rows": [{"model",
-"dtype", "widths", "batch", "fusedserve_us", "torch_graph_us", "ratio", "path", "mismatch"?}],
-"summary"}; rewritten after every row) and ``OUT/model_contract_<tag>.png``, and prints the
+Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
+rows [{"model", "dtype", "widths", "batch", "fusedserve_us", "torch_graph_us", "ratio", "path",
+"mismatch"?}], "summary", "method", "complete", "skipped"; rewritten after every row. Prints the
 targets of issue 23 (ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where
 launch-bound).
 
@@ -18,17 +18,16 @@ copies the rows into a pinned buffer, then host-to-device without blocking, repl
 output device-to-host into a pinned buffer, synchronizes and returns a copy of it (the staging
 buffer is the next call's). fusedserve: a runner per model (``max_batch_size`` the largest batch;
 each measured bucket tuned before it is timed, as a server's are once background tuning is done;
-tune cache in ``OUT/tune_cache`` unless ``FUSEDSERVE_TUNE_CACHE`` says otherwise),
+tune cache in a fresh folder unless ``FUSEDSERVE_TUNE_CACHE`` says otherwise),
 ``runner.run(rows)``. Timing: the two are called alternately, ``calls`` times each, wall clock per
 call (``time.perf_counter``); the median of each. Host-side work counts, as in serving.
 """
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +38,8 @@ from fusedserve.kernels import tune_cache  # noqa: E402
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.rules import bucket as bucket_of  # noqa: E402
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model  # noqa: E402
+
+from bench import runs  # noqa: E402
 
 # (name, in, hidden, out, dtype): issue 23's two models, the shipped digits, and other widths and
 # depths in each dtype.
@@ -188,47 +189,46 @@ def plot(rows, path, gpu):
     plt.close(fig)
 
 
-def run(out: Path, tag: str, quick: bool, budget_s: float) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault(tune_cache.ENV_VAR, str(out / "tune_cache"))  # read when the first bucket tunes
-    path = out / f"model_contract_{tag}.json"
-    data = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                torch=torch.__version__, triton=__import__("triton").__version__, quick=quick,
-                method=METHOD, complete=False, rows=[], skipped=[])
+def run(out: Path, quick: bool, budget_s: float, note: str | None = None, png: Path | None = None) -> dict:
+    # Read when the first bucket tunes.
+    os.environ.setdefault(tune_cache.ENV_VAR, tempfile.mkdtemp(prefix="fusedserve-tune-"))
+    gpu = torch.cuda.get_device_name()
+    line = runs.Run("model_contract", out, gpu=gpu, quick=quick, note=note, torch=torch.__version__,
+                    triton=__import__("triton").__version__, method=METHOD)
+    rows, skipped = [], []
 
     def emit(row):
-        data["rows"].append(row)
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        rows.append(row)
+        line.save(rows, summary(rows), complete=False, skipped=skipped)
 
     started = time.perf_counter()
     for spec in MODELS:
         if time.perf_counter() - started > budget_s:
-            data["skipped"].append(spec[0])
+            skipped.append(spec[0])
             log(f"budget of {budget_s:.0f} s spent: {spec[0]} not measured")
             continue
         measure_model(spec, QUICK_BATCHES if quick else BATCHES, QUICK_CALLS if quick else CALLS, emit)
-    data["complete"], data["summary"] = not data["skipped"], summary(data["rows"])
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    plot(data["rows"], path.with_suffix(".png"), data["gpu"])
+    data = line.save(rows, summary(rows), complete=not skipped, skipped=skipped)
+    if png:
+        plot(rows, png, gpu)
     s = data["summary"]
     log(f"\nserving contract: min {s['min_ratio']}x, median {s['median_ratio']}x over {s['rows']} rows: "
         + ("MET" if s["met"] else f"{len(s['misses'])} MISSED"))
     for miss in s["misses"]:
         log(f"  {miss}")
-    log(f"wrote {path} and its .png in {time.perf_counter() - started:.0f} s")
+    log(f"appended the run to {line.path} in {time.perf_counter() - started:.0f} s")
     return data
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--tag", default="h200")
+    runs.arguments(parser)
     parser.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCHES}, {QUICK_CALLS} calls each")
     parser.add_argument("--budget-s", type=float, default=500, help="start no new model after this many seconds")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/model_contract.py needs a CUDA GPU")
-    run(args.out, args.tag, args.quick, args.budget_s)
+    run(args.out, args.quick, args.budget_s, args.note, args.plot)
 
 
 if __name__ == "__main__":

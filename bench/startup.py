@@ -3,9 +3,9 @@
 Run on the GPU host from the repository root (``bench/gpu_check.sh start-up`` and
 ``start-up-tuning`` run these):
 
-    python bench/startup.py --out DIR                 # ready times, four scenarios
-    python bench/startup.py --out DIR --tuning        # one scenario, then background tuning under traffic
-    python bench/startup.py --out DIR --only 4x2048 --compare-serial   # plus a cold start, compiling serially
+    python bench/startup.py                  # ready times, four scenarios
+    python bench/startup.py --tuning         # one scenario, then background tuning under traffic
+    python bench/startup.py --only 4x2048 --compare-serial   # plus a cold start, compiling serially
 
 Scenarios (``ready``): the shipped repository (default ``--max-batch-size``) and a repository of the
 shipped digits plus a 4x2048 bf16 MLP (``--max-batch-size 256``), each started twice with an empty
@@ -22,7 +22,8 @@ client sends one request at a time (1, 3, 17 or 64 rows, cycling) while backgrou
 every answer's correctness against the torch model on the CPU, and the p99 latency while tuning
 against the p99 after (target: at most 2x).
 
-Writes ``DIR/startup_<tag>.json``, rewritten after every scenario.
+Appends the run to ``OUT/startup.jsonl`` (``bench/runs.py``; OUT defaults to bench/results), one row
+per scenario (``scenario``: shipped, 4x2048, or background_tuning), rewritten after every scenario.
 """
 
 import argparse
@@ -43,6 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, load_model, save_model  # noqa: E402
+
+from bench import runs  # noqa: E402
 
 READY_TARGET_S = {"empty": 20.0, "warm": 10.0}  # by Triton cache state; the tune cache is empty in every run
 BIG = ("mlp4x2048", 2048, "bfloat16")
@@ -202,6 +205,14 @@ def p99(values) -> float | None:
     return statistics.quantiles(values, n=100)[98] if len(values) >= 20 else None
 
 
+def summary(rows: list[dict]) -> dict:
+    """Issue 23's targets over the scenarios: whether each met its own, and the ones that missed."""
+    missed = [f"{r['scenario']} (Triton cache {r['triton_cache']}): ready {r['ready_s']} s, target {r['target_s']} s"
+              if "target_s" in r else f"{r['scenario']}: tuned {r.get('tuned_s')} s, p99 ratio {r.get('p99_ratio')}"
+              for r in rows if not r.get("met")]
+    return {"met": bool(rows) and not missed, "missed": missed}
+
+
 def tuning_scenario(repo, triton_dir: Path, work: Path, args) -> dict:
     """Background tuning of the 4x2048 repository under traffic: duration, answers, p99 during vs after."""
     env = {"TRITON_CACHE_DIR": str(triton_dir), "FUSEDSERVE_TUNE_CACHE": str(Path(tempfile.mkdtemp(dir=work)))}
@@ -244,8 +255,7 @@ def tuning_scenario(repo, triton_dir: Path, work: Path, args) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tag", default="h200")
+    runs.arguments(parser)
     parser.add_argument("--port", type=int, default=18100)
     parser.add_argument("--ready-timeout-s", type=float, default=150)
     parser.add_argument("--tuning", action="store_true", help="background tuning under traffic instead")
@@ -256,19 +266,17 @@ def main():
     parser.add_argument("--compare-serial", action="store_true",
                         help="also start each repository cold with --parallel-compile off (a fresh Triton cache)")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fusedserve-startup-"))
     big = big_repository(work)
-    path = args.out / f"startup_{args.tag}{'_tuning' if args.tuning else ''}.json"
-    data = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), torch=torch.__version__,
-                method="server process start to the first 200 on /v2/health/ready; tune cache empty in every "
-                       "run; Triton cache empty (fresh TRITON_CACHE_DIR) or warm (the one the empty run left)",
-                rows=[])
+    run = runs.Run("startup", args.out, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                   note=args.note, torch=torch.__version__, device=args.device,
+                   method="server process start to the first 200 on /v2/health/ready; tune cache empty in every "
+                          "run; Triton cache empty (fresh TRITON_CACHE_DIR) or warm (the one the empty run left)")
+    rows = []
     if args.tuning:
         triton_dir = work / "triton_big"
         ready_scenario("4x2048_prefill", big, BIG_MAX_BATCH, triton_dir, work, args)  # fills the Triton cache
-        data["rows"].append(tuning_scenario(big, triton_dir, work, args))
+        rows.append(tuning_scenario(big, triton_dir, work, args))
     else:
         plan = [("shipped", DEFAULT_REPOSITORY, None), ("4x2048", big, BIG_MAX_BATCH)]
         for name, repo, max_batch in plan:
@@ -276,14 +284,14 @@ def main():
                 continue
             triton_dir = work / f"triton_{name}"
             for _ in ("empty", "warm"):  # the first start fills the Triton cache the second one reads
-                data["rows"].append(ready_scenario(name, repo, max_batch, triton_dir, work, args))
-                path.write_text(json.dumps(data, indent=1) + "\n")
+                rows.append(ready_scenario(name, repo, max_batch, triton_dir, work, args))
+                run.save(rows, summary(rows), complete=False)
             if args.compare_serial:
-                data["rows"].append(ready_scenario(name, repo, max_batch, work / f"triton_{name}_serial", work, args,
-                                                   parallel=False))
-                path.write_text(json.dumps(data, indent=1) + "\n")
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    log(f"wrote {path}")
+                rows.append(ready_scenario(name, repo, max_batch, work / f"triton_{name}_serial", work, args,
+                                           parallel=False))
+                run.save(rows, summary(rows), complete=False)
+    run.save(rows, summary(rows), complete=True)
+    log(f"appended the run to {run.path}")
 
 
 if __name__ == "__main__":

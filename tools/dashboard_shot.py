@@ -3,12 +3,14 @@ figures on a machine that has a browser: the GPU host has none (and no network).
 
     # on the GPU host: bash tools/gpu_check.sh dashboard (a server on the GPU, driven, then captured), or
     # against any running server (drive: 20 s of requests of 1-32 rows from 8 threads, then capture):
-    python tools/dashboard_shot.py drive --url http://127.0.0.1:8000 --out bench/results/dashboard_h200.json
+    python tools/dashboard_shot.py drive --url http://127.0.0.1:8000 --out bench/results
     # here (Debian: apt-get install chromium chromium-driver), the page drawn from that capture:
-    python tools/dashboard_shot.py replay bench/results/dashboard_h200.json docs/dashboard_h200.png
+    python tools/dashboard_shot.py replay bench/results/dashboard.jsonl:2 docs/dashboard_h200.png
 
-``replay`` serves the package's own page and assets beside the captured /model-stats and
-/kernel-stats JSON on a loopback port, so the picture is the real page showing the GPU run."""
+A capture goes to ``OUT/dashboard.jsonl`` as one line (``bench/runs.py``: the GPU, the commit, and
+the /model-stats and /kernel-stats JSON), or to one JSON file where ``--out`` ends in ``.json``.
+``replay`` serves the package's own page and assets beside the captured JSON on a loopback port, so
+the picture is the real page showing the GPU run."""
 
 from __future__ import annotations
 
@@ -16,12 +18,16 @@ import argparse
 import json
 import shutil
 import socket
+import sys
 import threading
 import time
 import urllib.request
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench import runs  # noqa: E402
 
 WIDTH = 1280
 
@@ -64,13 +70,28 @@ def _get(url: str) -> dict:
 
 
 def capture(url: str, out: Path) -> dict:
-    """Both JSON routes the page reads, once, with when and where they were read."""
+    """Both JSON routes the page reads, once, with when and where they were read: a line of
+    ``out/dashboard.jsonl``, or the file ``out`` where it ends in ``.json``."""
     url = url.rstrip("/")
     data = {"captured_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "url": url,
             "model_stats": _get(url + "/model-stats"), "kernel_stats": _get(url + "/kernel-stats")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    return data
+    if out.suffix == ".json":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1) + "\n")
+        return data
+    return runs.Run("dashboard", out, gpu=_gpu()).save([], None, **data)
+
+
+def _gpu() -> str | None:
+    """The first GPU's name where nvidia-smi answers (the server under capture runs on it)."""
+    import subprocess
+
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return names[0].strip() or None
 
 
 def drive(url: str, seconds: float, out: Path, clients: int = 8) -> dict:
@@ -133,9 +154,10 @@ def _replay_handler(data: dict):
     return Handler
 
 
-def replay(capture_path: Path, png: Path, driver=None) -> Path:
-    """Draw the page from a capture in chromium (``driver``, or a new one) and save ``png``."""
-    data = json.loads(capture_path.read_text())
+def replay(capture_path: Path | str, png: Path, driver=None) -> Path:
+    """Draw the page from a capture (``dashboard.jsonl:LINE`` or a ``.json``) in chromium (``driver``,
+    or a new one) and save ``png``."""
+    data = runs.pick(capture_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -163,13 +185,13 @@ def main() -> None:
     sub = top.add_subparsers(dest="command", required=True)
     c = sub.add_parser("capture", help="save a running server's /model-stats and /kernel-stats")
     c.add_argument("--url", default="http://127.0.0.1:8000")
-    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--out", type=Path, default=runs.RESULTS, help="folder of dashboard.jsonl, or a .json file")
     d = sub.add_parser("drive", help="reset, send requests for --seconds, then capture")
     d.add_argument("--url", default="http://127.0.0.1:8000")
     d.add_argument("--seconds", type=float, default=20.0)
-    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--out", type=Path, default=runs.RESULTS, help="folder of dashboard.jsonl, or a .json file")
     r = sub.add_parser("replay", help="draw a capture in chromium and save a PNG")
-    r.add_argument("capture", type=Path)
+    r.add_argument("capture", help="dashboard.jsonl:LINE, or a .json capture")
     r.add_argument("png", type=Path)
     args = top.parse_args()
     if args.command in ("capture", "drive"):

@@ -14,27 +14,30 @@
 # e2e: a real server on the GPU answers POST /infer; its answers must match the CPU model.
 # start-up: time-to-ready of `fusedserve serve` with an empty tune cache, Triton's cache empty then
 #   warm, for the shipped repository and digits + a 4x2048 bf16 model at --max-batch-size 256
-#   (bench/startup.py; startup_<gpu>.json). start-up-tuning: then background tuning under traffic
-#   (answers checked, p99 while tuning vs after; startup_<gpu>_tuning.json).
+#   (bench/startup.py). start-up-tuning: then background tuning under traffic (answers checked, p99
+#   while tuning vs after).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
-#   20 s; the live page's JSON saved to dashboard_<gpu>.json (tools/dashboard_shot.py replay draws it).
+#   20 s; the live page's JSON saved to dashboard.jsonl (tools/dashboard_shot.py replay draws it).
 # load-workers: issue 22's run: 8 front ends (LOAD_WORKERS="8 12": each count, the first is ours)
 #   against naive FastAPI under uvicorn --workers 12, 64 and 256 clients, digits and the 4x2048 bf16
 #   model (LOAD_MODELS), py-spy by process at 256 clients of PROFILE_MODEL (digits); LOAD_PROTOCOL=v2-binary
 #   sends KServe v2 binary tensors instead of JSON /infer (fusedserve only).
 # grpc-load: issue 22's gRPC against HTTP (bench/grpc_load.py) with 8 front ends and 8 client processes.
-# model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/*.py --help);
+# model, kernels, kernels-small, kernels-at, kernels-full, load: benchmarks (bench/README.md);
 #   kernels-at runs KERNELS_MS x KERNELS_NK (e.g. "128,256" and "4096x4096") in KERNELS_DTYPES
-#   within KERNELS_BUDGET_S into kernels_<gpu>_$KERNELS_TAG.json.
-# ab: this checkout against another at $AB_DIR, bench/kernels.py alternated A B A B ($AB_ROUNDS).
+#   within KERNELS_BUDGET_S, its line noted $KERNELS_TAG.
+# ab: this checkout against another at $AB_DIR (whose bench/kernels.py writes kernels.jsonl too),
+#   bench/kernels.py alternated A B A B ($AB_ROUNDS); the comparison in ab.jsonl.
 # pack (last): everything under $OUT into one results.tgz.
-# Logs and results go to $OUT (default bench/results/gpu_check), named after the GPU (<gpu>: h100,
-# h200...); each stage has its own time limit.
+# Results go to $OUT (default bench/results/gpu_check) as each benchmark's <benchmark>.jsonl, one
+# line per run, with its plot (<stage>_<gpu>.png: h100, h200...) and the log, gpu_check.log; each
+# stage has its own time limit. Back here, `python bench/runs.py add DIR` appends the runs and the log
+# to bench/results. A run's commit is git's, or FUSEDSERVE_COMMIT's where the copy has no .git.
 set -uo pipefail
 out=${OUT:-bench/results/gpu_check}
-# Result files are named after the GPU they ran on (h100, h200...), read from nvidia-smi.
+# Plots are named after the GPU they ran on (h100, h200...), read from nvidia-smi.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE '[a-z][0-9]{2,4}' | head -n 1 | tr 'A-Z' 'a-z')
 gpu=${gpu:-gpu}
 mkdir -p "$out"
@@ -42,6 +45,9 @@ log="$out/gpu_check.log"
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(env tests e2e model kernels load)
 export PYTHONUNBUFFERED=1 FUSEDSERVE_TUNE_CACHE=${FUSEDSERVE_TUNE_CACHE:-/tmp/fusedserve-tune}
+FUSEDSERVE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "${FUSEDSERVE_COMMIT:-}")
+export FUSEDSERVE_COMMIT
+[ -z "$FUSEDSERVE_COMMIT" ] || echo "=== commit $FUSEDSERVE_COMMIT" >> "$log"
 
 # The package as pip installs it (fusedserve.kernels, .models, .service), linked to this checkout,
 # so nothing needs building here.
@@ -53,7 +59,7 @@ export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
 
 stage() {  # stage NAME SECONDS CMD...: run one stage, log it, never stop the others
     local name=$1 limit=$2; shift 2
-    echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$log"
+    echo "=== $name ($(date -u +%FT%TZ), limit ${limit}s): $*" | tee -a "$log"
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
@@ -72,7 +78,8 @@ load_workers() {  # issue 22's run: fusedserve with each of $LOAD_WORKERS front 
     stage load-workers 560 python3 bench/load.py --device cuda --models ${LOAD_MODELS:-digits wide} --clients 64 256 \
         --rounds 2 --duration 3 --servers "${names[@]}" naive_fastapi_12w --ours "${names[0]}" "${servers[@]}" \
         --profile --profile-clients 256 --profile-model "${PROFILE_MODEL:-digits}" --ready-timeout 110 \
-        --protocol "$protocol" --out "$out/load_${gpu}_workers${workers// /_}$tag.json"
+        --protocol "$protocol" --out "$out" --note "load-workers: ${workers} front ends$tag" \
+        --plot "$out/load_${gpu}_workers${workers// /_}$tag.png"
 }
 
 serve_bg() {  # serve_bg PORT LOG ARGS...: `fusedserve serve` in the background (its PID in server_pid);
@@ -141,7 +148,7 @@ dashboard() {  # a real server on the GPU under load, its page's JSON captured
     local port=18002 log=/tmp/fusedserve-dashboard.log
     if serve_bg "$port" "$log" --device "${DASHBOARD_DEVICE:-cuda}" --grpc-port 0 \
             ${DASHBOARD_REPOSITORY:+--model-repository "$DASHBOARD_REPOSITORY"}; then
-        python3 tools/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out/dashboard_$gpu.json"
+        python3 tools/dashboard_shot.py drive --url "http://127.0.0.1:$port" --seconds 20 --out "$out"
     else
         echo "dashboard: server never became ready"
     fi
@@ -157,24 +164,26 @@ gpu_tests() {  # gpu_tests PART PATH...: one part of the GPU suite, then its rec
 
 ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits both sides alike
     [ -d "${AB_DIR:-}" ] || { echo "ab: AB_DIR must name the other checkout"; return 1; }
-    local dir b_dir b_path files_a=() files_b=()
+    local dir b_dir b_path runs_a=() runs_b=()
     dir=$(cd "$out" && pwd)/ab${AB_TAG:+_$AB_TAG}
     b_dir=$(cd "$AB_DIR" && pwd)
     # B's own checkout first on the path, and this checkout not on it at all
     b_path=$(printf '%s' "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx -e "$(pwd)" -e '' | paste -sd: -)
     mkdir -p "$dir"
     local args=(--quick --no-compile --budget-s 200 --ms "${KERNELS_MS:-1,4,16,64}" --nk "${KERNELS_NK:-4096x4096}"
-                --dtypes "${AB_DTYPES:-bfloat16}" --out "$dir")
-    for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-        stage "ab-a-$r" 300 python3 bench/kernels.py "${args[@]}" --tag "a_$r" --tune-cache "$dir/tune_a"
+                --dtypes "${AB_DTYPES:-bfloat16}")
+    for r in $(seq 1 "${AB_ROUNDS:-2}"); do  # each run in a kernels.jsonl of its own
+        stage "ab-a-$r" 300 python3 bench/kernels.py "${args[@]}" --out "$dir/a_$r" --tune-cache "$dir/tune_a"
         stage "ab-b-$r" 300 env PYTHONPATH="$b_dir${b_path:+:$b_path}" bash -c 'cd "$0" && exec python3 bench/kernels.py "$@"' \
-            "$b_dir" "${args[@]}" --tag "b_$r" --tune-cache "$dir/tune_b"
-        files_a+=("$dir/kernels_a_$r.json"); files_b+=("$dir/kernels_b_$r.json")
+            "$b_dir" "${args[@]}" --out "$dir/b_$r" --tune-cache "$dir/tune_b"
+        runs_a+=("$dir/a_$r/kernels.jsonl"); runs_b+=("$dir/b_$r/kernels.jsonl")
     done
-    python3 tools/ab.py --a "${files_a[@]}" --b "${files_b[@]}" --out "$dir/ab.json" \
+    python3 tools/ab.py --a "${runs_a[@]}" --b "${runs_b[@]}" --out "$out" \
         --names "${AB_NAME_A:-this checkout}" "${AB_NAME_B:-$AB_DIR}" 2>&1 | tee -a "$log"
 }
 
+# The kernel stages share one tune cache, as the runs of one session on one GPU.
+kernels_out=(--out "$out" --tune-cache "$out/tune_cache")
 for s in "${stages[@]}"; do
     case $s in
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
@@ -192,33 +201,36 @@ for s in "${stages[@]}"; do
         tests-tma) stage tests-tma 200 python3 -m pytest -m gpu -n 8 -q -rfs --tb=short --no-header -p no:cacheprovider \
             tests/kernels/test_fused_linear_gpu.py tests/kernels/test_fused_linear.py -k "tma" ;;
         kernels-small) stage kernels-small 330 python3 bench/kernels.py --quick --no-compile --budget-s 270 \
-            --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" --tag ${gpu}_small --out "$out" ;;
-        e2e) echo "=== e2e ($(date -u +%H:%M:%S))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
-        model) stage model 420 python3 bench/model.py --quick --tag "$gpu" --out "$out" ;;
-        start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --tag "$gpu" --out "$out" ;;
+            --ms "${KERNELS_MS:-1,4,16,32,64,128,256,512}" --dtypes "${KERNELS_DTYPES:-float16,bfloat16}" \
+            --note kernels-small "${kernels_out[@]}" --plot "$out/kernels-small_$gpu.png" ;;
+        e2e) echo "=== e2e ($(date -u +%FT%TZ))" | tee -a "$log"; e2e 2>&1 | tee -a "$log" ;;
+        model) stage model 420 python3 bench/model.py --quick --out "$out" --plot "$out/model_$gpu.png" ;;
+        start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --out "$out" ;;
         start-up-tuning) stage start-up-tuning 580 python3 bench/startup.py --tuning --ready-timeout-s 120 \
-            --tuning-timeout-s 360 --tag "$gpu" --out "$out" ;;
+            --tuning-timeout-s 360 --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
-            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" --tag "$gpu" --out "$out" ;;
+            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" "${kernels_out[@]}" \
+            --plot "$out/kernels-random_$gpu.png" ;;
         model-contract) stage model-contract 590 python3 bench/model.py --contract --budget-s "${CONTRACT_BUDGET_S:-420}" \
-            ${CONTRACT_QUICK:+--quick} --tag "$gpu" --out "$out" ;;
-        dashboard) echo "=== dashboard ($(date -u +%H:%M:%S))" | tee -a "$log"; dashboard 2>&1 | tee -a "$log" ;;
-        kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 --tag ${gpu}_quick --out "$out" ;;
+            ${CONTRACT_QUICK:+--quick} --out "$out" --plot "$out/model-contract_$gpu.png" ;;
+        dashboard) echo "=== dashboard ($(date -u +%FT%TZ))" | tee -a "$log"; dashboard 2>&1 | tee -a "$log" ;;
+        kernels) stage kernels 260 python3 bench/kernels.py --quick --budget-s 140 "${kernels_out[@]}" \
+            --plot "$out/kernels_$gpu.png" ;;
         kernels-at) stage kernels-at $((${KERNELS_BUDGET_S:-270} + 60)) python3 bench/kernels.py --quick --no-compile \
             --budget-s "${KERNELS_BUDGET_S:-270}" \
             --ms "${KERNELS_MS:?}" --nk "${KERNELS_NK:-4096x4096}" --dtypes "${KERNELS_DTYPES:-bfloat16,float16}" \
-            --tag "${gpu}_${KERNELS_TAG:-at}" --out "$out" ;;
-        kernels-full) stage kernels-full 570 python3 bench/kernels.py --budget-s 400 --out "$out" \
-            ${KERNELS_NK:+--nk "$KERNELS_NK" --tag "${gpu}_${KERNELS_NK//,/_}"} ;;
+            --note "kernels-at ${KERNELS_TAG:-}" "${kernels_out[@]}" --plot "$out/kernels-at_$gpu.png" ;;
+        kernels-full) stage kernels-full 570 python3 bench/kernels.py --budget-s 400 "${kernels_out[@]}" \
+            --plot "$out/kernels-full_$gpu.png" ${KERNELS_NK:+--nk "$KERNELS_NK" --note "kernels-full at $KERNELS_NK"} ;;
         # ~4 min with the tune cache warm (a cold one adds ~2-3 min of start-up); LitServe and py-spy
         # where their wheels were brought (../shared/gpu/wheels.sh litserve py-spy matplotlib).
-        load) stage load 420 python3 bench/load.py --device cuda --quick --out "$out/load_$gpu.json" ;;
+        load) stage load 420 python3 bench/load.py --device cuda --quick --out "$out" --plot "$out/load_$gpu.png" ;;
         load-workers) load_workers ;;
         # gRPC against HTTP on the GPU host: 8 front ends, the clients spread over 8 processes (needs
         # tritonclient[grpc] and hpack among the brought wheels).
         grpc-load) stage grpc-load 560 python3 bench/grpc_load.py --device cuda --procs 8 \
             --fusedserve-flags "--workers 8 --max-batch-size 256" --clients 64 256 --reps 2 --no-floor \
-            --out "$out/grpc_load_$gpu.json" ;;
+            --out "$out" ;;
         ab) ab ;;
         pack) tar -czf "/tmp/gpu_check_results.tgz" -C "$out" . && rm -rf "${out:?}"/* \
             && mv /tmp/gpu_check_results.tgz "$out/results.tgz" && echo "packed into $out/results.tgz" ;;

@@ -4,12 +4,14 @@ tuner chose in the newest run that measured it.
 
 No GPU needed. From the repository root:
 
-    python tools/provisional_table.py                      # every bench/results/kernels_h200*.json
-    python tools/provisional_table.py RUN.json ... [--out DIR]
+    python tools/provisional_table.py        # every H200 run in bench/results/kernels.jsonl
+    python tools/provisional_table.py --gpu "NVIDIA H100 80GB HBM3" [--out DIR]
+    python tools/provisional_table.py bench/results/kernels.jsonl:12 ...   # these runs only
 
 Writes ``DIR/<gpu>-triton-<version>.json`` (default DIR: ``kernels/tables``) per GPU and Triton
 version found: {"gpu", "triton", "sources", "fields", "entries": [[dtype, M, N, K, static_weight,
-kernel, config], ...]}. ``kernels/provisional.py`` reads it.
+kernel, config], ...]}; a source is the run's line (``kernels.jsonl:12``), or the file a run was
+converted from. ``kernels/provisional.py`` reads it.
 """
 
 import argparse
@@ -19,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+from bench import runs as stored  # noqa: E402
 from fusedserve.kernels.provisional import table_path  # noqa: E402  (sys.path)
 from fusedserve.kernels.rules import m_bucket  # noqa: E402
 
@@ -59,15 +62,21 @@ def winners(runs) -> dict:
     return tables
 
 
-def build(paths, out: Path) -> list[Path]:
-    runs = [json.loads(Path(p).read_text()) for p in paths]
+def stored_runs(gpu: str, path: Path = stored.RESULTS / "kernels.jsonl") -> dict:
+    """``{source: run}`` for every run of ``gpu`` in ``path``."""
+    return {Path(run["source"]).name if run.get("source") else f"{path.name}:{n}": run
+            for n, run in enumerate(stored.read(path), 1) if run["gpu"] == gpu}
+
+
+def build(named_runs: dict, out: Path) -> list[Path]:
+    """One table per (GPU, Triton version) from ``{source: run}``."""
     written = []
-    for (gpu, version), chosen in winners(runs).items():
+    for (gpu, version), chosen in winners(named_runs.values()).items():
         entries = [[*key, kernel, config] for key, (_, kernel, config) in sorted(chosen.items())]
         path = table_path(gpu, version, out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = dict(gpu=gpu, triton=version, sources=sorted(Path(p).name for p in paths), fields=FIELDS,
-                    entries=entries)
+        sources = sorted(name for name, run in named_runs.items() if (run["gpu"], run["triton"]) == (gpu, version))
+        data = dict(gpu=gpu, triton=version, sources=sources, fields=FIELDS, entries=entries)
         path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
         written.append(path)
         print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {len(entries)} entries")
@@ -76,11 +85,11 @@ def build(paths, out: Path) -> list[Path]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="*", type=Path, help="kernels_*.json runs (default: the H200 ones)")
+    parser.add_argument("runs", nargs="*", help="kernels.jsonl:LINE ... (default: every run of --gpu)")
+    parser.add_argument("--gpu", default="NVIDIA H200", help="whose runs in bench/results/kernels.jsonl")
     parser.add_argument("--out", type=Path, default=ROOT / "kernels" / "tables")
     args = parser.parse_args()
-    paths = args.results or sorted((ROOT / "bench" / "results").glob("kernels_h200*.json"))
-    build(paths, args.out)
+    build({spec: stored.pick(spec) for spec in args.runs} if args.runs else stored_runs(args.gpu), args.out)
 
 
 if __name__ == "__main__":

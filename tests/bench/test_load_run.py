@@ -1,4 +1,4 @@
-"""bench/load.py end to end on this machine: two real servers, two alternated rounds, JSON and plot."""
+"""bench/load.py end to end on this machine: two real servers, two alternated rounds, its line and plot."""
 
 import json
 import os
@@ -8,25 +8,27 @@ import numpy as np
 import pytest
 
 from bench.load import main
+from bench.runs import read
 from bench.servers import read_procs, tree
 
 
 @pytest.mark.slow
 def test_a_short_run_alternates_the_servers_and_leaves_none_running(tmp_path):
-    out = tmp_path / "load_test.json"
+    png = tmp_path / "load.png"
     main(["--servers", "fusedserve", "naive_fastapi_1w", "--models", "digits", "--clients", "2", "--rounds", "2",
-          "--duration", "0.3", "--procs", "2", "--out", str(out)])
-    report = json.loads(out.read_text())
-    order = [(r["round"], r["server"]) for r in report["runs"]]
+          "--duration", "0.3", "--procs", "2", "--out", str(tmp_path), "--plot", str(png)])
+    (report,) = read(tmp_path / "load.jsonl")
+    assert report["benchmark"] == "load" and report["gpu"] is None and report["quick"] is False
+    order = [(r["round"], r["server"]) for r in report["rows"]]
     assert order == [(0, "fusedserve"), (0, "naive_fastapi_1w"), (1, "naive_fastapi_1w"), (1, "fusedserve")]
-    for run in report["runs"]:
+    for run in report["rows"]:
         assert run["requests"] > 0 and run["errors"] == 0 and run["server_cpu_ms_per_request"] > 0
     assert {r["server"] for r in report["summary"]} == {"fusedserve", "naive_fastapi_1w"}
     assert report["answers_max_abs_diff"]["naive_fastapi_1w"] < 1e-3
     assert report["machine"]["cores"] == os.cpu_count() and report["config"]["rounds"] == 2
     assert len(report["targets"]) == 3  # the CPU box's; at 2 clients none of them is measured
     assert all(t["met"] is None for t in report["targets"])
-    assert out.with_suffix(".png").exists()
+    assert png.exists()
     # Every server and load process ended; multiprocessing's resource tracker lives as long as we do.
     left = [p for p in tree(os.getpid(), read_procs()) if p != os.getpid()
             and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
@@ -35,12 +37,11 @@ def test_a_short_run_alternates_the_servers_and_leaves_none_running(tmp_path):
 
 @pytest.mark.slow
 def test_v2_binary_traffic_is_answered_and_peers_without_v2_are_skipped(tmp_path):
-    out = tmp_path / "load_v2.json"
     main(["--servers", "fusedserve", "naive_fastapi_1w", "--models", "digits", "--clients", "2", "--rounds", "1",
-          "--duration", "0.3", "--procs", "2", "--protocol", "v2-binary", "--out", str(out)])
-    report = json.loads(out.read_text())
+          "--duration", "0.3", "--procs", "2", "--protocol", "v2-binary", "--out", str(tmp_path)])
+    (report,) = read(tmp_path / "load.jsonl")
     assert report["skipped"] == {"naive_fastapi_1w": "speaks no v2-binary"}
-    (run,) = report["runs"]
+    (run,) = report["rows"]
     # Every request answered 200: the server took the binary header, input and output request as sent.
     assert run["server"] == "fusedserve" and run["requests"] > 0 and run["errors"] == 0
 
