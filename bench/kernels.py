@@ -455,10 +455,13 @@ def parse_args(argv=None):
 
 
 def show_merged(args):
-    merged = merge_runs([runs.pick(spec) for spec in args.merge])
+    picked = [runs.pick(spec) for spec in args.merge]
+    merged = merge_runs(picked)
     log(f"{len(merged['rows'])} rows from {len(args.merge)} runs")
     if args.plot:
         plot(merged["rows"], merged["copy_tbps"], merged["matmul_tflops"], args.plot, merged["gpu"])
+        if any(run.get("random") for run in picked):
+            plot_ratios(merged["rows"], args.plot.with_name(f"{args.plot.stem}_ratios.png"), merged["gpu"], log)
     print_table(merged["rows"])
     print_targets(merged["rows"])
     print_summaries(log, summaries(merged["rows"]))

@@ -487,12 +487,16 @@ def main():
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # child mode: model:batch:impl,...
     parser.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--replot", metavar="RUN",
-                        help="only draw --plot from a stored run, FILE.jsonl:LINE (no GPU needed)")
+                        help="only draw --plot from a stored run, FILE.jsonl:LINE of model.jsonl or "
+                             "model_contract.jsonl (no GPU needed)")
     args = parser.parse_args()
     if args.replot:
         data = runs.pick(args.replot)
-        plot(data["rows"], args.plot or Path("model.png"), data["gpu"])
-        return
+        if data.get("benchmark") == "model_contract":
+            from bench.model_contract import plot as contract_plot
+
+            return contract_plot(data["rows"], args.plot or Path("model_contract.png"), data["gpu"])
+        return plot(data["rows"], args.plot or Path("model.png"), data["gpu"])
     if not torch.cuda.is_available():
         raise SystemExit("bench/model.py needs a CUDA GPU")
     if args.contract:
