@@ -14,7 +14,7 @@ import logging
 
 from tritonclient.grpc import service_pb2 as pb
 
-from fusedserve.service import grpc_calls, grpc_codec, h2, tensors
+from fusedserve.service import connections, grpc_calls, grpc_codec, h2, tensors
 from fusedserve.service.engine import Engine
 from fusedserve.service.errors import (ClientGone, DeadlineExceeded, NotReady, NotServed, ServiceError, UnknownModel,
                                        log_unexpected)
@@ -241,6 +241,7 @@ class GrpcServer:
         self.refuse = key_check(guard) if guard.keyed else None
         self.max_message = settings.max_body_bytes
         self.connections: set[h2.Connection] = set()
+        self.policy = connections.GrpcPolicy(settings, self.connections)  # the cap, the budget, the timers
         self.draining = False
         self._listener: asyncio.AbstractServer | None = None
         self._stopping: asyncio.Future | None = None
@@ -254,6 +255,7 @@ class GrpcServer:
         except OSError as exc:
             raise RuntimeError(f"cannot listen for gRPC on {self.address} ({exc}): is the port taken? "
                                "Choose another with --grpc-port, or turn gRPC off with --grpc-port 0") from None
+        self.policy.start(asyncio.get_running_loop())
         log.info("gRPC (KServe v2) on %s", self.address)
 
     def drain(self, grace_s: float) -> None:
@@ -276,3 +278,4 @@ class GrpcServer:
     async def stop(self, grace_s: float) -> None:
         self.drain(grace_s)
         await self._stopping
+        self.policy.stop()

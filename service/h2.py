@@ -91,6 +91,11 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.watch = None  # what service.connections' timers know of this connection
+        policy = getattr(self.server, "policy", None)  # a test's stand-in server may have none
+        if policy is not None and not policy.admit(self):  # over the cap or the descriptor budget
+            self.failed = True
+            return
         self.server.connections.add(self)
         settings = b"".join(struct.pack(">HI", key, value) for key, value in (
             (MAX_CONCURRENT_STREAMS, MAX_STREAMS), (INITIAL_WINDOW_SIZE, RECV_WINDOW),
@@ -145,6 +150,8 @@ class Connection(asyncio.Protocol):
         self.buffer.clear()
 
     def data_received(self, data: bytes) -> None:
+        if self.watch is not None and not self.watch.greeted:  # the handshake deadline's clock
+            self.watch.greet(data)
         if self.failed:
             return
         buffer = self.buffer

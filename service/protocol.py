@@ -1,33 +1,25 @@
 """uvicorn's httptools HTTP/1.1 protocol with the limits its options do not reach: a cap on request
 head bytes (431 before the parser sees them: httptools grows a header by concatenation, quadratic
-in its chunks), deadlines for a request's head and body (408), a connection cap (503 at accept,
-logged), a graceful close that never drops a request already being read, and an access log that
-says 499 when the client closed (or half-closed: uvicorn takes either as leaving) before its answer. ``protocol_class(limits)`` is what ``uvicorn.Config(http=)``
-takes; every front-end process builds it the same way (``service.server.uvicorn_config``)."""
+in its chunks), deadlines for a request's head and body (408), a connection cap and a share of the
+descriptors (``service.connections``; 503 at accept, logged), a graceful close that never drops a
+request already being read, and an access log that says 499 when the client closed (or
+half-closed: uvicorn takes either as leaving) before its answer. ``protocol_class(limits)`` is what
+``uvicorn.Config(http=)`` takes; every front-end process builds it the same way
+(``service.server.uvicorn_config``)."""
 
 from __future__ import annotations
 
-import logging
-import resource
-import time
 from dataclasses import dataclass, field
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
+from fusedserve.service.connections import Descriptors, Warnings
 from fusedserve.service.middleware import ANSWERED, CLIENT_GONE, GONE, REQUESTS
 
-log = logging.getLogger("fusedserve")
 LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, so it gets the answer, not a reset
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
-
-
-def default_max_connections() -> int:
-    """4096, or fewer where the open-file limit is lower: a connection refused with a 503 beats an
-    accept() that fails silently for lack of descriptors (64 kept for models, logs and gRPC)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return 4096 if soft == resource.RLIM_INFINITY else max(1, min(4096, soft - 64))
 
 
 @dataclass
@@ -36,18 +28,11 @@ class Limits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections: int
-    # Refusals by kind since the last warning: logged at most once a second, with their count.
-    _refused: dict = field(default_factory=dict)
+    descriptors: Descriptors = field(default_factory=Descriptors)
+    warnings: Warnings = field(default_factory=Warnings)  # refusals, logged at most once a second by kind
 
     def note(self, kind: str, client) -> None:
-        now = time.monotonic()
-        count, since = self._refused.get(kind, (0, 0.0))
-        if now - since < 1.0:
-            self._refused[kind] = (count + 1, since)
-            return
-        log.warning("%s (latest client %s; %d more since the last such warning)", kind,
-                    f"{client[0]}:{client[1]}" if client else "unknown", count)
-        self._refused[kind] = (0, now)
+        self.warnings.note(kind, client)
 
 
 def _answer(status: int, message: str) -> bytes:
@@ -68,14 +53,20 @@ class GuardedProtocol(HttpToolsProtocol):
         self._close_after_answer = False  # shutting down: no request after this one
 
     def connection_made(self, transport) -> None:
-        if len(self.connections) >= self.limits.max_connections:
-            self.transport = transport
-            self.client = get_remote_addr(transport)
-            self.limits.note(f"connection limit of {self.limits.max_connections} reached: answered 503", self.client)
-            self._refuse(503, "the server is at its connection limit; retry shortly or on another replica")
+        limits, fits = self.limits, True
+        if len(self.connections) >= limits.max_connections:
+            why = f"connection limit of {limits.max_connections} reached"
+        elif not (fits := limits.descriptors.fits(transport, limits.descriptors.http)):
+            why = f"HTTP's share of the open-file limit ({limits.descriptors.soft}) is in use"
+        else:
+            super().connection_made(transport)
+            self._arm(limits.header_timeout_s, "head")
             return
-        super().connection_made(transport)
-        self._arm(self.limits.header_timeout_s, "head")
+        self.transport = transport
+        self.client = get_remote_addr(transport)
+        limits.note(f"{why}: answered 503", self.client)
+        # Short of descriptors, no linger: it would hold the ones kept for files.
+        self._refuse(503, "the server is at its connection limit; retry shortly or on another replica", linger=fits)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -176,13 +167,13 @@ class GuardedProtocol(HttpToolsProtocol):
         self.limits.note(f"request {what} not received within {seconds:g} s: answered 408", self.client)
         self._refuse(408, f"request {what} not received within {seconds:g} s")
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, linger: bool = True) -> None:
         """Answer ``status`` and close: send it, half-close, drop what still comes for ``LINGER_S``."""
         self._refused = True
         self._disarm()
         transport = self.transport
         transport.write(_answer(status, message))
-        if transport.can_write_eof():
+        if linger and transport.can_write_eof():
             transport.write_eof()
             self.loop.call_later(LINGER_S, transport.close)
         else:

@@ -15,7 +15,8 @@ import signal
 
 import uvicorn
 
-from fusedserve.service.protocol import Limits, default_max_connections, protocol_class
+from fusedserve.service.connections import connection_cap
+from fusedserve.service.protocol import Limits, protocol_class
 from fusedserve.service.settings import Settings
 from fusedserve.service.state import ServiceState
 
@@ -26,7 +27,7 @@ _POLL_S = 0.05  # how often the drain looks whether every connection is gone
 def limits(settings: Settings) -> Limits:
     return Limits(max_header_bytes=settings.max_header_bytes, header_timeout_s=settings.header_timeout_s,
                   body_timeout_s=settings.body_timeout_s,
-                  max_connections=settings.max_connections or default_max_connections())
+                  max_connections=connection_cap(settings))
 
 
 def uvicorn_config(app, settings: Settings, log_level: str) -> uvicorn.Config:

@@ -78,11 +78,18 @@ class Settings(BaseSettings):
     exit_on_error: bool = True
     # HTTP connections (service.protocol): request line + headers over this many bytes get 431; a
     # request head or body not fully received in time gets 408; connections past the cap get 503
-    # (0: 4096, or fewer under a lower open-file limit).
+    # (0: 4096, or fewer under a lower open-file limit). gRPC (service.connections): the same cap,
+    # counted apart (GOAWAY past it), each protocol within its share of the open-file limit; the
+    # HTTP/2 preface and SETTINGS are due within header_timeout_s (clients send them in their first
+    # write; grpc-go's 120 s also covers a TLS handshake), a request message within body_timeout_s
+    # of its stream opening (DEADLINE_EXCEEDED), and a connection with no stream for
+    # grpc_idle_timeout_s gets GOAWAY and is closed (0: never): a client calling every few minutes
+    # keeps its connection; one a client leaked frees its slot in minutes, not Envoy's hour.
     max_header_bytes: int = Field(32 * 1024, ge=1024)
     header_timeout_s: float = Field(10.0, gt=0.0)
     body_timeout_s: float = Field(30.0, gt=0.0)
     max_connections: int = Field(0, ge=0)
+    grpc_idle_timeout_s: float = Field(300.0, ge=0.0)
     # After the drain (or on SIGINT): how long requests still being read or answered get before the
     # process exits anyway.
     shutdown_timeout_s: float = Field(10.0, ge=0.0)

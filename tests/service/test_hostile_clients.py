@@ -176,11 +176,11 @@ def test_the_access_log_says_whether_a_half_closed_client_got_its_answer(server,
 def test_the_default_connection_cap_stays_under_the_open_file_limit(monkeypatch):
     # With the cap above the fd limit, accept() fails for lack of descriptors and clients are
     # refused with no answer and no log line; under it, they get a 503 and the log says so.
-    from fusedserve.service import protocol
+    from fusedserve.service import connections
 
     for soft, cap in ((1024, 960), (100_000, 4096), (resource.RLIM_INFINITY, 4096), (32, 1)):
-        monkeypatch.setattr(protocol.resource, "getrlimit", lambda _, soft=soft: (soft, soft))
-        assert protocol.default_max_connections() == cap, soft
+        monkeypatch.setattr(connections.resource, "getrlimit", lambda _, soft=soft: (soft, soft))
+        assert connections.default_max_connections() == cap, soft
 
 
 def test_a_body_left_unfinished_after_its_answer_is_closed_without_a_second_answer(server):
