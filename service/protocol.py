@@ -1,11 +1,11 @@
 """uvicorn's httptools HTTP/1.1 protocol with the limits its options do not reach: a cap on request
 head bytes (431 before the parser sees them: httptools grows a header by concatenation, quadratic
 in its chunks), deadlines for a request's head and body (408), a connection cap and a share of the
-descriptors (``service.connections``; 503 at accept, logged), a graceful close that never drops a
-request already being read, and an access log that says 499 when the client closed (or
-half-closed: uvicorn takes either as leaving) before its answer. ``protocol_class(limits)`` is what
-``uvicorn.Config(http=)`` takes; every front-end process builds it the same way
-(``service.server.uvicorn_config``)."""
+descriptors (``service.connections``; 503 at accept, logged), pipelined requests answered before
+the 400 for bad bytes after them, a graceful close that never drops a request already being read,
+and an access log that says 499 when the client closed (or half-closed: uvicorn takes either as
+leaving) before its answer. ``protocol_class(limits)`` is what ``uvicorn.Config(http=)`` takes;
+every front-end process builds it the same way (``service.server.uvicorn_config``)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,11 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes of the request head read so far (0: between requests)
         self._reading_head = True
         self._timer = None  # the read deadline of the head or body being read
+        self._tail = b""  # the head's last bytes so far: its blank line may span two reads
         self._refused = False  # answered and closing: what still comes is dropped
         self._close_after_answer = False  # shutting down: no request after this one
+        self._requests = self._settled = 0  # requests read on this connection; answered or dropped
+        self._deferred: tuple[int, str] | None = None  # a refusal due once the requests before it are answered
 
     def connection_made(self, transport) -> None:
         limits, fits = self.limits, True
@@ -72,8 +75,9 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         if self._reading_head:
-            end = data.find(b"\r\n\r\n")
-            self._head_bytes += len(data) if end < 0 else end + 4
+            end = self._head_end(data)
+            self._head_bytes += len(data) if end < 0 else end
+            self._tail = (self._tail + data[-3:])[-3:] if end < 0 else b""
             if self._head_bytes > self.limits.max_header_bytes:
                 self.limits.note(f"request head over {self.limits.max_header_bytes} bytes: answered 431", self.client)
                 self._refuse(431, f"request line and headers exceed {self.limits.max_header_bytes} bytes")
@@ -86,9 +90,20 @@ class GuardedProtocol(HttpToolsProtocol):
             elif self._head_bytes:
                 self._arm(self.limits.header_timeout_s, "head")
 
+    def _head_end(self, data: bytes) -> int:
+        """Where in ``data`` the request head ends (past its blank line), or -1."""
+        if self._tail:
+            end = (self._tail + data[:3]).find(b"\r\n\r\n")
+            if end >= 0:
+                return end + 4 - len(self._tail)
+        end = data.find(b"\r\n\r\n")
+        return end + 4 if end >= 0 else -1
+
     def on_headers_complete(self) -> None:
+        previous = self.cycle
         super().on_headers_complete()
-        if self.cycle is not None:
+        if self.cycle is not previous:  # a request (an upgrade makes no cycle)
+            self._requests += 1
             self.cycle.scope[GONE] = self.loop.create_future()  # before the app's task first runs
             self.cycle.scope[REQUESTS] = self.tasks
         self._disarm()
@@ -99,7 +114,13 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._disarm()
-        self._reading_head, self._head_bytes = True, 0
+        self._reading_head, self._head_bytes, self._tail = True, 0, b""
+
+    def on_response_complete(self) -> None:
+        self._settled += 1
+        super().on_response_complete()
+        if self._deferred is not None and self._settled >= self._requests and not self.transport.is_closing():
+            self._refuse(*self._deferred)
 
     def eof_received(self):
         # uvicorn closes on the client's FIN; an answer written after it goes nowhere, so the request
@@ -126,7 +147,7 @@ class GuardedProtocol(HttpToolsProtocol):
         """Server shutdown: close an idle connection now; one whose request is being read or answered
         closes after its answer."""
         busy = self._head_bytes or self.pipeline or (self.cycle is not None and not self.cycle.response_complete)
-        if self._refused or not busy:
+        if (self._refused and self._deferred is None) or not busy:
             self.transport.close()
             return
         self._close_after_answer = True
@@ -134,8 +155,11 @@ class GuardedProtocol(HttpToolsProtocol):
             self.cycle.keep_alive = False
 
     def send_400_response(self, msg: str) -> None:
-        # uvicorn's answer to bytes that are not HTTP/1.1, as JSON like every other error.
-        self._refuse(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")
+        # uvicorn's answer to bytes that are not HTTP/1.1, as JSON like every other error, after the
+        # answers to the requests read before them. Bytes that break a body end that body's request.
+        if not self._reading_head and self.cycle is not None and not self._drop(self.cycle, 400):
+            return
+        self._refuse_in_turn(400, f"{msg.rstrip('.')}: the request is not valid HTTP/1.1")
 
     def _arm(self, seconds: float, what: str) -> None:
         self._disarm()
@@ -157,19 +181,36 @@ class GuardedProtocol(HttpToolsProtocol):
         if what == "head" and (not self._head_bytes or (cycle is not None and not cycle.response_complete)):
             self.transport.close()
             return
-        if what == "body" and cycle is not None and cycle.response_started:
-            self.transport.close()
+        if what == "body" and cycle is not None and not self._drop(cycle, 408):
             return
-        if what == "body" and cycle is not None:  # the app reading the body sees the client gone
-            cycle.scope[ANSWERED] = 408
-            cycle.disconnected = True
-            cycle.message_event.set()
         self.limits.note(f"request {what} not received within {seconds:g} s: answered 408", self.client)
-        self._refuse(408, f"request {what} not received within {seconds:g} s")
+        self._refuse_in_turn(408, f"request {what} not received within {seconds:g} s")
+
+    def _drop(self, cycle, status: int) -> bool:
+        """Stop reading ``cycle``'s request: its app sees the client gone, the access log ``status``.
+        False where its answer has begun: the connection is closed instead."""
+        if cycle.response_started:
+            self.transport.close()
+            return False
+        cycle.scope[ANSWERED] = status
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self._settled += 1
+        for entry in [e for e in self.pipeline if e[0] is cycle]:  # queued behind another: never to run
+            self.pipeline.remove(entry)
+        return True
+
+    def _refuse_in_turn(self, status: int, message: str) -> None:
+        """``_refuse``, once every request read before now is answered: nothing more is read meanwhile."""
+        if self._settled < self._requests:
+            self._refused, self._deferred = True, (status, message)
+            self._disarm()
+        else:
+            self._refuse(status, message)
 
     def _refuse(self, status: int, message: str, linger: bool = True) -> None:
         """Answer ``status`` and close: send it, half-close, drop what still comes for ``LINGER_S``."""
-        self._refused = True
+        self._refused, self._deferred = True, None
         self._disarm()
         transport = self.transport
         transport.write(_answer(status, message))

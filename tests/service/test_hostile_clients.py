@@ -1,7 +1,9 @@
-"""Issue 25, defects 1, 3 and 8 on a real server (``python -m fusedserve serve`` on loopback): an
-oversized header is refused at once without stalling others, slow heads and bodies meet deadlines,
-silent connections are closed, the connection cap answers 503 and logs it, a slow client cannot
-hold shutdown, and a client that leaves before its answer is logged as such."""
+"""Issue 25, defects 1, 3 and 8, and issue 34, item 6, on a real server (``python -m fusedserve serve``
+on loopback): an oversized header is refused at once without stalling others (and a legal head whose
+blank line spans two reads is not), slow heads and bodies meet deadlines, silent connections are
+closed, the connection cap answers 503 and logs it, a slow client cannot hold shutdown, a client
+that leaves before its answer is logged as such, and requests pipelined before bad bytes are
+answered before the 400."""
 
 import json
 import resource
@@ -201,3 +203,38 @@ def test_bytes_that_are_not_http_get_a_json_400(server):
     sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: nope\r\n\r\n")
     status, body = answer(sock)
     assert status == 400 and "not valid HTTP/1.1" in body["error"], body
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_a_head_whose_blank_line_spans_two_reads_is_served_not_431(server, split):
+    # A body past the head cap (8192 here), in the same read as the head's last byte(s).
+    body = BODY + b" " * 40_000  # JSON may end in whitespace
+    head = HEAD.replace(b"%d" % len(BODY), b"%d" % len(body))
+    sock = connect(server)
+    sock.sendall(head[:-split])
+    time.sleep(0.2)  # a read of its own on the server
+    sock.sendall(head[-split:] + body)
+    sock.shutdown(socket.SHUT_WR)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 200"), data[:300]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("good", [b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", HEAD + BODY],
+                         ids=["framework route", "hot path"])
+def test_a_request_pipelined_before_bad_bytes_is_answered_then_the_400(server, good):
+    seen = len(server.log.read_text())
+    sock = connect(server)
+    sock.sendall(good + b"NOT HTTP\x01\r\n\r\n")
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 200") and data.count(b"HTTP/1.1 ") == 2, data
+    second = data[data.index(b"HTTP/1.1 ", 1):]
+    assert second.startswith(b"HTTP/1.1 400") and b"not valid HTTP/1.1" in second, data
+    time.sleep(0.2)  # the log line of an error after the answer, if any
+    logged = server.log.read_text()[seen:]
+    assert "Traceback" not in logged and "RuntimeError" not in logged, logged
