@@ -183,7 +183,7 @@ def compile_step(model: MLP, x: torch.Tensor, info: dict):
 def compile_graph_step(model: MLP, x: torch.Tensor, info: dict):
     """torch.compile's kernels (max-autotune, without its cudagraph trees) captured in one plain CUDA
     graph: what compiling buys, without the trees' per-call bookkeeping (reduce-overhead read slower
-    than eager torch in bench/results/model_h200.json; bench/KERNELS.md)."""
+    than eager torch in bench/results/model.jsonl:2; docs/kernels.md)."""
     compiled = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False)
     start = time.perf_counter()
     compiled(x)
