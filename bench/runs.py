@@ -1,8 +1,8 @@
 """Every benchmark's runs, one appended JSONL file per benchmark: ``bench/results/<benchmark>.jsonl``.
 
-A line is one run: ``benchmark``, ``gpu`` (None on a CPU box), ``commit`` (HEAD's short hash, ``-dirty``
-where tracked files differ from it; ``FUSEDSERVE_COMMIT`` where there is no git, as on a GPU host
-given a copy of the tree), ``date`` (UTC), ``seed`` (where shapes or inputs are random), ``quick``,
+A line is one run: ``benchmark``, ``gpu`` (None on a CPU box), ``commit`` (``FUSEDSERVE_COMMIT`` where
+set, as on a GPU host given a copy of the tree; else HEAD's short hash, ``-dirty`` where tracked files
+differ from it), ``date`` (UTC), ``seed`` (where shapes or inputs are random), ``quick``,
 ``rows`` (what the benchmark measured, one dict per row) and ``summary`` (its verdicts), then the
 benchmark's own fields (versions, method, machine...). Lines are never edited once a run is over:
 a line number names a run for good (``kernels.jsonl:12``, 1-based).
@@ -29,14 +29,17 @@ HEAD = ("benchmark", "gpu", "commit", "date", "seed", "quick", "rows", "summary"
 
 
 def commit() -> str | None:
-    """HEAD's short hash, with ``-dirty`` where tracked files differ from it; else FUSEDSERVE_COMMIT."""
+    """FUSEDSERVE_COMMIT where set (a copy's .git, if any, may not be of the tree it holds); else
+    HEAD's short hash, with ``-dirty`` where tracked files differ from it; else None."""
+    if os.environ.get("FUSEDSERVE_COMMIT"):
+        return os.environ["FUSEDSERVE_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FUSEDSERVE_COMMIT") or None
+        return None
     return head + ("-dirty" if dirty else "")
 
 

@@ -34,7 +34,8 @@
 # Results go to $OUT (default bench/results/gpu_check) as each benchmark's <benchmark>.jsonl, one
 # line per run, with its plot (<stage>_<gpu>.png: h100, h200...) and the log, gpu_check.log; each
 # stage has its own time limit. Back here, `python bench/runs.py add DIR` appends the runs and the log
-# to bench/results. A run's commit is git's, or FUSEDSERVE_COMMIT's where the copy has no .git.
+# to bench/results. A run's commit is FUSEDSERVE_COMMIT where set (a copy's .git may be of another
+# commit than the files it came with), else git's.
 set -uo pipefail
 out=${OUT:-bench/results/gpu_check}
 # Plots are named after the GPU they ran on (h100, h200...), read from nvidia-smi.
@@ -45,9 +46,8 @@ log="$out/gpu_check.log"
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(env tests e2e model kernels load)
 export PYTHONUNBUFFERED=1 FUSEDSERVE_TUNE_CACHE=${FUSEDSERVE_TUNE_CACHE:-/tmp/fusedserve-tune}
-FUSEDSERVE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "${FUSEDSERVE_COMMIT:-}")
-export FUSEDSERVE_COMMIT
-[ -z "$FUSEDSERVE_COMMIT" ] || echo "=== commit $FUSEDSERVE_COMMIT" >> "$log"
+commit=${FUSEDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+[ -z "$commit" ] || echo "=== commit $commit" >> "$log"
 
 # The package as pip installs it (fusedserve.kernels, .models, .service), linked to this checkout,
 # so nothing needs building here.
