@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.dashboard_shot import browser_paths, capture, chrome, full_page_png, replay
+from tools.dashboard_shot import browser_paths, capture, chrome, full_page_png, replay
 from fusedserve.service.peaks import gpu_peaks
 
 from .conftest import Server, write_repository
