@@ -1,8 +1,9 @@
 """What a kernel family is to the rest of fusedserve: one record of functions per family.
 
 A family is one kernel (or a few variants of it) with its launcher, for example the portable
-tiled GEMM or the Hopper weight-streaming kernel. Adding one: a module under ``triton/`` or
-``gluon/`` that defines ``FAMILY = KernelFamily(...)``, and its line in ``registry.FAMILY_MODULES``.
+tiled GEMM or the Hopper weight-streaming kernel, or a vendor library run through torch. Adding one:
+a module under ``triton/``, ``gluon/`` or ``vendor/`` that defines ``FAMILY = KernelFamily(...)``,
+and its line in ``registry.FAMILY_MODULES``.
 """
 
 from collections.abc import Callable

@@ -1,5 +1,6 @@
 """Every kernel family, in order of preference: for a problem, the first family that offers
-itself is the default before (or without) tuning, and the tuner times all that do."""
+itself is the default before (or without) tuning, and the tuner times all that do. The vendor
+library comes last: our kernels stay the default, and the library is timed against them."""
 
 import functools
 import importlib
@@ -17,6 +18,7 @@ FAMILY_MODULES = (
     "fusedserve.kernels.gluon.small_m",
     "fusedserve.kernels.gluon.wgmma",
     "fusedserve.kernels.gluon.ws",
+    "fusedserve.kernels.vendor.cublas",
 )
 
 

@@ -2,8 +2,9 @@
 
 A name added to ``ACTIVATIONS`` without a branch in ``apply_activation`` must fail loudly: the
 Triton families run under the interpreter here (numerics against float64), the Gluon families
-compile for sm_90 here (a missing branch fails the compile), and on a GPU every family's numerics
-are checked against float64.
+compile for sm_90 here (a missing branch fails the compile), the vendor family (torch's GEMM, then
+the table's activation where cuBLASLt has no epilogue for it) runs torch's CPU ops, and on a GPU
+every family's numerics are checked against float64.
 """
 
 import pytest
@@ -21,10 +22,11 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if ON_GPU else "cpu"
 TRITON_FAMILIES = ("triton_tiled", "triton_small_m", "triton_tma_persistent")
 GLUON_FAMILIES = ("gluon_wgmma", "gluon_small_m", "gluon_ws")
+VENDOR_FAMILIES = ("torch_cublas",)
 
 
 def test_the_families_are_the_ones_checked_here():
-    assert set(registry.names()) == set(TRITON_FAMILIES) | set(GLUON_FAMILIES)
+    assert set(registry.names()) == set(TRITON_FAMILIES) | set(GLUON_FAMILIES) | set(VENDOR_FAMILIES)
 
 
 def _reference(x, w, b, activation):
@@ -40,8 +42,8 @@ def _check(out, x, w, b, activation, where):
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's run; the GPU checks numerics below")
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
-@pytest.mark.parametrize("name", TRITON_FAMILIES)
-def test_triton_families_compute_every_activation(name, activation):
+@pytest.mark.parametrize("name", TRITON_FAMILIES + VENDOR_FAMILIES)
+def test_triton_and_vendor_families_compute_every_activation(name, activation):
     x, w, b = make(17, 40, 136, torch.float16, device=DEVICE)
     _check(run_kernel(name, x, w, b, activation), x, w, b, activation, f"{name} {activation}")
 
@@ -110,7 +112,7 @@ def test_a_gluon_family_refuses_an_activation_without_a_branch(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
-@pytest.mark.parametrize("name", TRITON_FAMILIES + GLUON_FAMILIES)
+@pytest.mark.parametrize("name", TRITON_FAMILIES + GLUON_FAMILIES + VENDOR_FAMILIES)
 def test_every_family_computes_every_activation_on_the_gpu(name, activation):
     family = registry.family(name)
     x, w, b = make(48, 1024, 512, torch.bfloat16)

@@ -11,17 +11,20 @@ HOPPER = (9, 0)
 AMPERE = (8, 0)
 TILED, TMA, SMALL_M = "triton_tiled", "triton_tma_persistent", "triton_small_m"
 GLUON, GLUON_SMALL_M, GLUON_WS = "gluon_wgmma", "gluon_small_m", "gluon_ws"
+VENDOR = "torch_cublas"
 
 
-def offered(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon=False, N=4096, K=4096):
-    """The families timed for this problem, the default first (Gluon's left out unless ``gluon``)."""
+def offered(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon=False, vendor=False, N=4096,
+            K=4096):
+    """The families timed for this problem, the default first (Gluon's and the vendor's left out
+    unless ``gluon`` and ``vendor``)."""
     names = [f.name for f in registry.offered(Problem(M, N, K, dtype, capability, tma_aligned))]
-    return tuple(n for n in names if gluon or not n.startswith("gluon"))
+    return tuple(n for n in names if (gluon or not n.startswith("gluon")) and (vendor or n != VENDOR))
 
 
 def test_every_family_registers_once_under_its_own_name():
     names = registry.names()
-    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS} and len(names) == len(set(names))
+    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS, VENDOR} and len(names) == len(set(names))
     assert all(registry.family(n).name == n for n in names)
     with pytest.raises(ValueError, match="kernel family must be one of"):
         registry.family("no_such_kernel")
@@ -105,3 +108,20 @@ def test_a_family_says_why_it_cannot_run_a_problem(name, problem, why):
 @pytest.mark.parametrize("name", [TILED, SMALL_M])
 def test_the_portable_families_run_anything(name):
     assert registry.family(name).unfit(Problem(3, 5, 7, torch.float32, None, False)) is None
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, SMALL_M_MAX, 70, 130, MID_M_MAX, MID_M_MAX + 1, 2503, 8192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("capability", [AMPERE, HOPPER, (10, 0)])
+@pytest.mark.parametrize("tma_aligned", [True, False])
+def test_the_vendor_gemm_is_timed_last_for_every_cuda_problem(M, dtype, capability, tma_aligned):
+    # Always a candidate, so a tuned layer is never slower than the library; never the default.
+    names = offered(M, dtype, capability, tma_aligned, gluon=True, vendor=True, N=840, K=6376)
+    assert names[-1] == VENDOR and names.count(VENDOR) == 1 and len(names) >= 2, names
+
+
+def test_the_vendor_gemm_runs_anywhere_but_competes_only_on_cuda():
+    # The interpreter's problems (capability None) run CPU tensors: torch computes them, run_kernel
+    # reaches the family there, but there is nothing to time it against.
+    assert registry.family(VENDOR).unfit(Problem(3, 5, 7, torch.float32, None, False)) is None
+    assert VENDOR not in offered(1000, capability=None, vendor=True)

@@ -1,0 +1,68 @@
+"""The vendor's GEMM as a kernel family: a layer through torch's cuBLAS/cuBLASLt path.
+
+``Y[M, N] = act(X[M, K] @ W[N, K]^T + b[N])`` by ``torch._addmm_activation`` (cuBLASLt with bias and
+ReLU or GELU in its epilogue, one kernel) or by ``torch.addmm`` (cuBLASLt with the bias in its
+epilogue) and then the activation of ``kernels.activations``, written into the launcher's ``out``.
+It is offered for every problem on CUDA, after our own families, so tuning keeps the library where it
+is faster; on CPU tensors the same torch ops run (``run_kernel`` reaches it there).
+"""
+
+import torch
+
+from fusedserve.kernels.activations import ACTIVATIONS
+from fusedserve.kernels.family import KernelFamily
+
+NAME = "torch_cublas"
+
+# The two ways worth timing: the activation in cuBLASLt's epilogue, or relu(F.linear)'s way (GEMM
+# with the bias epilogue, then an elementwise kernel); cuBLASLt picks its algorithms per epilogue, so
+# either may be faster. For an activation without an epilogue both run the second way.
+CANDIDATES = ({"op": "addmm_act"}, {"op": "linear"})
+_DESCRIPTIONS = {
+    "addmm_act": "cuBLASLt, bias and relu/gelu in its epilogue",
+    "linear": "cuBLASLt addmm, then the activation",
+}
+
+
+def _epilogue(activation: str, x: torch.Tensor) -> str | None:
+    """The activation ``torch._addmm_activation`` may compute in the GEMM, or None. Its GELU is our
+    tanh form only on CUDA (on the CPU it is the erf form), and cuBLASLt's is good to ~5e-6 (seen on
+    an H100): far below 16-bit rounding, but not fp32's, so float32 runs our "gelu" after the GEMM."""
+    if activation == "relu" or (activation == "gelu" and x.is_cuda and x.dtype != torch.float32):
+        return activation
+    return None
+
+
+def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
+           prefetch_weight=False):
+    """Run ``config["op"]`` on checked arguments (``x [M, K]``, ``weight [N, K]``, ``out [M, N]``
+    contiguous) into ``out``. The keywords every family takes do not apply: float32 follows torch's
+    own ``allow_tf32`` flag (where ``input_precision`` comes from), the bf16 upcast is for the
+    interpreter's ``tl.dot``, and torch launches its kernels without PDL (a PDL kernel after them
+    waits for them in full), so there is no early weight read either."""
+    op = (config or CANDIDATES[0])["op"]
+    if op not in _DESCRIPTIONS:
+        raise ValueError(f"config op must be one of {tuple(_DESCRIPTIONS)}, got {op!r}")
+    weight_t = weight.t()  # [K, N], a view: cuBLAS reads W [N, K] transposed
+    epilogue = _epilogue(activation, x) if op == "addmm_act" and bias is not None else None
+    if epilogue is not None:
+        return torch._addmm_activation(bias, x, weight_t, use_gelu=epilogue == "gelu", out=out)
+    if bias is None:
+        torch.mm(x, weight_t, out=out)
+    else:
+        torch.addmm(bias, x, weight_t, out=out)
+    if activation != "none":
+        out.copy_(ACTIVATIONS[activation](out))
+    return out
+
+
+def describe(config: dict | None) -> str:
+    """``op=addmm_act (cuBLASLt, bias and relu/gelu in its epilogue)``, as kernel stats show it."""
+    if not config:
+        return ""
+    return f"op={config['op']} ({_DESCRIPTIONS.get(config['op'], 'unknown op')})"
+
+
+FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=lambda p: p.capability is not None,
+                      candidates=lambda p: [dict(c) for c in CANDIDATES], launch=launch,
+                      interpret_config=dict(CANDIDATES[0]), describe=describe)
