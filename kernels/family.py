@@ -37,3 +37,6 @@ class KernelFamily:
     # The config run under TRITON_INTERPRET=1 (timing means nothing there); None: never runs there.
     interpret_config: dict | None = None
     describe: Callable[[dict | None], str] = config_str
+    # Problems the family runs before tuning ahead of the provisional table and of the families
+    # before it (``kernels.provisional``): a class of problems the others are measured to lose.
+    provisional_first: Callable[[Problem], bool] = lambda p: False

@@ -1,13 +1,15 @@
 """First choices that need no timing: a kernel family and config for a layer before its batch
 bucket is tuned, so a model is ready after compiling and capturing, and tuning can come later.
 
-The choice comes from a table shipped in the package per GPU model and Triton version
-(``tables/<gpu>-triton-<version>.json``, built by ``bench/provisional_table.py`` from the measured
-winners in ``bench/results/kernels_*.json``): the measured shape nearest to the problem (same
-dtype, among the families offered for it) names the family, and of that family's candidates for
-the problem the one closest to the measured config is taken. On a GPU or Triton version without a
-table, or where no measured family is offered, the rule is the registry's: the first offered
-family's first candidate.
+First, a family may claim a class of problems the others are measured to lose
+(``KernelFamily.provisional_first``: float32 with K off a multiple of 16 goes to the vendor's GEMM);
+it runs its first candidate there. Otherwise the choice comes from a table shipped in the package
+per GPU model and Triton version (``tables/<gpu>-triton-<version>.json``, built by
+``bench/provisional_table.py`` from the measured winners in ``bench/results/kernels_*.json``): the
+measured shape nearest to the problem (same dtype, among the families offered for it) names the
+family, and of that family's candidates for the problem the one closest to the measured config is
+taken. On a GPU or Triton version without a table, or where no measured family is offered, the
+rule is the registry's: the first offered family's first candidate.
 
 Which mode a thread is in (``mode()``) decides what ``choosing.choose`` does on a tune-cache miss:
 time the candidates (``"tune"``, and the default for a key never chosen provisionally) or take the
@@ -108,6 +110,10 @@ def provisional_choice(problem: Problem, families, entries, static_weight: bool 
     """``(family name, config, source)`` for ``problem`` among ``families`` (the offered ones, the
     default first), without timing; source is ``"table"`` or ``"rules"``."""
     timed = replace(problem, M=tuning_rows(problem.M))
+    for family in families:
+        candidates = family.candidates(timed) if family.provisional_first(timed) else None
+        if candidates:
+            return family.name, dict(candidates[0]), "rules"
     by_name = {f.name: f for f in families}
     dtype = str(problem.dtype).removeprefix("torch.")
     ranked = sorted((e for e in entries if e.dtype == dtype and e.kernel in by_name),

@@ -1,7 +1,7 @@
 """The vendor's GEMM as a kernel family (``kernels/vendor/cublas.py``): torch's cuBLAS/cuBLASLt path,
 timed against our kernels. Without a GPU its torch ops run for real on CPU tensors; the tuner's
-choice (a fake timer) and the tune cache are checked on problems that name a GPU. On a GPU
-(marked): numerics, CUDA-graph capture, and the tuner's choice where ours lose."""
+choice (a fake timer), the tune cache and the provisional rule are checked on problems that name a
+GPU. On a GPU (marked): numerics, CUDA-graph capture, and the tuner's choice where ours lose."""
 
 import json
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusedserve.kernels import ACTIVATIONS, choosing, registry, run_kernel, timers, tune_cache
+from fusedserve.kernels import ACTIVATIONS, choosing, provisional, registry, run_kernel, timers, tune_cache
 from fusedserve.kernels.choosing import Choice
 from fusedserve.kernels.precision import dot_precision
-from fusedserve.kernels.rules import problem_of
+from fusedserve.kernels.rules import Problem, problem_of
 from fusedserve.kernels.vendor import cublas
 
 from .conftest import check_against_float64, check_layers_in_cuda_graph, make
@@ -147,6 +147,35 @@ def test_our_fp32_precision_setting_leaves_torchs_flag_alone(tf32, monkeypatch, 
     assert torch.backends.cuda.matmul.allow_tf32 is False and torch.get_float32_matmul_precision() == before
 
 
+@pytest.mark.parametrize("M", [9, 32, 449, 2503, 8192])
+@pytest.mark.parametrize("K", [6376, 1004, 1001])
+@pytest.mark.parametrize("allow_tf32", [False, True])
+@pytest.mark.parametrize("capability", [AMPERE, HOPPER])
+def test_float32_with_k_off_sixteen_starts_on_the_library(tf32, M, K, allow_tf32, capability):
+    # Rule: there our fp32 kernels ran at 0.05-0.48x the library's speed at every measured shape
+    # past 8 rows (H100), so before tuning such layers run the library, whatever the shipped table
+    # measured among ours alone.
+    tf32(allow_tf32)
+    problem = Problem(M, 2048, K, torch.float32, capability, K % 4 == 0)
+    choice = provisional.provisional_choice(problem, registry.offered(problem), provisional.table("NVIDIA H200"))
+    assert choice == (VENDOR, OPS[0], "rules")
+
+
+@pytest.mark.parametrize("M, K, dtype, capability", [
+    (1024, 4096, torch.float32, HOPPER),  # K a multiple of 16: our 3xTF32 beat SGEMM 1.5-1.9x
+    (700, 2944, torch.float32, AMPERE),
+    (8, 6376, torch.float32, HOPPER),  # a few rows: our GEMV kept up
+    (1, 1001, torch.float32, AMPERE),
+    (4096, 6376, torch.bfloat16, HOPPER),  # 16-bit: left to the table and to tuning
+    (1024, 1004, torch.float32, None),  # the interpreter: nothing to time against
+])
+def test_other_problems_keep_our_provisional_choice(tf32, M, K, dtype, capability):
+    tf32(False)
+    problem = Problem(M, 2048, K, dtype, capability, K % 8 == 0)
+    kernel, _, _ = provisional.provisional_choice(problem, registry.offered(problem), provisional.table("NVIDIA H200"))
+    assert kernel != VENDOR
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """``choose`` and ``fused_linear`` as on an sm_80 GPU with an empty tune cache, on CPU tensors."""
@@ -204,6 +233,16 @@ def test_the_tuner_keeps_ours_where_ours_is_faster(fake_gpu, monkeypatch):
     x, w, b = make(70, 40, 136, torch.float16, device="cpu")
     choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
     assert choice.kernel == "triton_small_m" and choice.tuned and launched
+
+
+@pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
+def test_warm_up_takes_the_library_for_float32_layers_with_k_off_sixteen(fake_gpu):
+    # What the runner's start-up does: provisional choices, nothing timed; then a launch runs it.
+    x, w, b = make(600, 17, 70, torch.float32, device="cpu")
+    with provisional.choosing_mode("provisional"):
+        choice = choosing.choose(problem_of(x, w), x, w, b, "tanh")
+    assert (choice.kernel, choice.config, choice.source) == (VENDOR, OPS[0], "rules") and not choice.tuned
+    assert_close(choosing.launch(choice, x, w, b, "tanh"), x, w, b, "tanh", "provisional")
 
 
 # GPU checks (the lead's H100 runs them; skipped without CUDA).
@@ -281,3 +320,21 @@ def test_the_tuner_takes_the_library_where_ours_lost(fresh_tuning):
     choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
     assert choice.kernel == VENDOR and choice.tuned, choice
     check_against_float64(choosing.launch(choice, x, w, b, "relu"), x, w, b, "relu", str(choice))
+
+
+@pytest.mark.gpu
+def test_a_float32_layer_with_k_off_sixteen_warms_up_and_captures_on_the_library(fresh_tuning, tf32):
+    from fusedserve.kernels import fused_linear_with_choice
+
+    tf32(False)
+    x, w, b = make(1000, 1024, 520, torch.float32)
+    with provisional.choosing_mode("provisional"):
+        _, choice = fused_linear_with_choice(x, w, b, "gelu", static_weight=True)
+    assert (choice.kernel, choice.source) == (VENDOR, "rules"), choice
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, captured = fused_linear_with_choice(x, w, b, "gelu", static_weight=True)
+    assert captured == choice
+    out.fill_(float("nan"))
+    graph.replay()
+    check_against_float64(out, x, w, b, "gelu", "replayed")
