@@ -410,6 +410,7 @@ def test_tune_runs_each_shape_and_reports(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # the compile run's own limit is 600 s; ~30 s on an idle machine
 def test_every_config_compiles_for_hopper():
     # The interpreter never runs Triton's compiler; this compiles every tuning candidate for sm_90
     # from mock tensors (no GPU needed), in a fresh process without TRITON_INTERPRET. ~30 s here.
