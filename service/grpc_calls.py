@@ -39,9 +39,15 @@ def literal(name: str, value: str) -> bytes:
     return b"\x00" + _hpack_int(len(n)) + n + _hpack_int(len(v)) + v
 
 
+# grpc-message's encoding by byte: printable ASCII but '%' as is, every other byte as %XX.
+_PERCENT = tuple(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in range(256))
+
+
 def _percent(message: str) -> str:
-    """grpc-message's encoding: printable ASCII but '%' as is, every other byte as %XX."""
-    return "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode())
+    """``message`` as grpc-message carries it, in a few C-level calls whatever its length."""
+    if message.isascii() and message.isprintable() and "%" not in message:
+        return message
+    return "".join(map(_PERCENT.__getitem__, message.encode()))
 
 
 RESPONSE_HEADERS = b"\x88" + literal("content-type", "application/grpc")  # 0x88: ":status 200" (static table)
@@ -49,6 +55,11 @@ OK_TRAILERS = literal("grpc-status", "0")
 
 
 MESSAGE_LIMIT = 2048  # UTF-8 bytes of grpc-message sent: percent-encoded (x3 at most), it fits one frame
+ECHO_LIMIT = 200  # characters of a client's own header value quoted back in a refusal
+
+
+def _echo(value: str) -> str:
+    return value if len(value) <= ECHO_LIMIT else f"{value[:ECHO_LIMIT]}... ({len(value)} characters)"
 
 
 def status_block(code: str, message: str) -> bytes:
@@ -70,7 +81,8 @@ class Abort(Exception):
 class Method:
     """A gRPC method: how its request parses, and its handler. A unary handler takes (request,
     context) and returns the response; a streaming one takes (request iterator, context) and
-    yields responses."""
+    yields one response per request (the iterator holds back requests while too many are
+    unanswered: service.h2.Limits)."""
     name: str
     parse: Callable[[bytes], object]
     handler: Callable
@@ -115,7 +127,7 @@ def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, floa
     metadata = tuple((k, v) for k, v in headers if not k.startswith(":"))
     method = methods.get(path)
     if method is None:
-        raise Abort("UNIMPLEMENTED", f"unknown method {path}")
+        raise Abort("UNIMPLEMENTED", f"unknown method {_echo(path)}")
     refusal = refuse and refuse(method.name, metadata)
     if refusal and method.streaming:  # told on its first message: a client's first write would fail blindly
         method = Method(method.name, method.parse, refuse_stream(refusal), True)
@@ -123,7 +135,7 @@ def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, floa
         raise Abort("UNAUTHENTICATED", refusal)
     encoding = fields.get("grpc-encoding") or "identity"
     if encoding != "identity" and encoding not in INFLATE:
-        raise Abort("UNIMPLEMENTED", f"grpc-encoding {encoding} is not served: send identity, gzip or deflate")
+        raise Abort("UNIMPLEMENTED", f"grpc-encoding {_echo(encoding)} is not served: send identity, gzip or deflate")
     timeout = fields.get("grpc-timeout")
     return method, None if timeout is None else grpc_timeout(timeout), metadata, encoding
 
@@ -133,18 +145,22 @@ def length_prefixed(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
-def take_messages(body: bytearray, encoding: str, limit: int) -> list[bytes]:
-    """The whole length-prefixed messages at the head of ``body``, taken out of it, decompressed
-    where flagged (by the call's ``encoding``) up to ``limit`` bytes each."""
-    messages = []
-    while len(body) >= 5:
-        size = int.from_bytes(body[1:5], "big")
-        if len(body) < 5 + size:
-            break
-        message = bytes(body[5:5 + size])
-        messages.append(_inflate(message, encoding, limit) if body[0] else message)
-        del body[:5 + size]
-    return messages
+def take_message(body: bytearray, encoding: str, limit: int) -> tuple[bytes, int] | None:
+    """The whole length-prefixed message at the head of ``body``, taken out of it and decompressed
+    where flagged (by the call's ``encoding``), with the bytes it took on the wire; None while it
+    is incomplete. One that says it is over ``limit`` bytes is refused as soon as it says so."""
+    if len(body) < 5:
+        return None
+    size = int.from_bytes(body[1:5], "big")
+    if size > limit:
+        raise Abort("RESOURCE_EXHAUSTED", f"the request message is larger than the server's limit of {limit} bytes")
+    if len(body) < 5 + size:
+        return None
+    message = bytes(body[5:5 + size])
+    if body[0]:
+        message = _inflate(message, encoding, limit)
+    del body[:5 + size]
+    return message, 5 + size
 
 
 def _inflate(message: bytes, encoding: str, limit: int) -> bytes:
@@ -164,7 +180,7 @@ def _inflate(message: bytes, encoding: str, limit: int) -> bytes:
 def grpc_timeout(value: str) -> float:
     """``grpc-timeout`` (up to 8 digits and a unit) in seconds."""
     if not 2 <= len(value) <= 9 or not value[:-1].isdigit() or value[-1] not in TIMEOUT_UNITS:
-        raise Abort("INVALID_ARGUMENT", f"grpc-timeout {value!r} is not digits and one of H M S m u n")
+        raise Abort("INVALID_ARGUMENT", f"grpc-timeout {_echo(value)!r} is not digits and one of H M S m u n")
     return int(value[:-1]) * TIMEOUT_UNITS[value[-1]]
 
 
@@ -181,19 +197,23 @@ async def unary_call(connection, stream, message: bytes) -> None:
 async def stream_call(connection, stream) -> None:
     failure: list = []
     try:
-        async for response in stream.method.handler(_requests(stream, failure), stream.context):
+        async for response in stream.method.handler(_requests(connection, stream, failure), stream.context):
             connection.send_message(stream, response.SerializeToString())
     except Exception as exc:  # noqa: BLE001 - every call is answered with a status
         failure.append(exc)
     connection.finish(stream, *(_status_of(failure[0]) if failure else ("OK", "")))
 
 
-async def _requests(stream, failure: list) -> AsyncIterator:
-    """The stream's request messages, parsed; one that does not parse ends the call (INTERNAL)."""
-    while (message := await stream.inbox.get()) is not None:
+async def _requests(connection, stream, failure: list) -> AsyncIterator:
+    """The stream's request messages as the connection lets the handler take them, parsed; one that
+    does not parse or decompress, or a stream that ends inside one, ends the call with that status."""
+    while True:
         try:
+            message = await connection.next_message(stream)
+            if message is None:
+                return
             request = stream.method.parse(message)
-        except DecodeError as exc:
+        except (Abort, DecodeError) as exc:
             failure.append(exc)
             return
         yield request

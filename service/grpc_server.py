@@ -237,9 +237,10 @@ class GrpcServer:
         self.address = _address(settings.host, settings.grpc_port)
         guard = Guard(settings)
         servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000, control)
-        self.methods = methods(servicer)  # what h2.Connection reads: these five attributes
+        self.methods = methods(servicer)  # what h2.Connection reads: these six attributes
         self.refuse = key_check(guard) if guard.keyed else None
         self.max_message = settings.max_body_bytes
+        self.limits = h2.Limits.of(settings)
         self.connections: set[h2.Connection] = set()
         self.policy = connections.GrpcPolicy(settings, self.connections)  # the cap, the budget, the timers
         self.draining = False

@@ -90,6 +90,20 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0.0)
     max_connections: int = Field(0, ge=0)
     grpc_idle_timeout_s: float = Field(300.0, ge=0.0)
+    # What one gRPC client may make its connection hold (service.h2). Requests in flight (handlers
+    # running, a stream's requests taken and not yet answered), per connection and per
+    # ModelStreamInfer stream: at the cap the server stops reading the connection, or stops taking
+    # the stream's messages (they then wait under HTTP/2 flow control), until some are answered;
+    # 256 fills several batches from one connection without letting it crowd the queue, 128 leaves
+    # a stream's neighbours room. Bytes written and unsent past grpc_write_buffer_bytes: reading
+    # stops until they drain (1 MiB: Envoy's per_connection_buffer_limit_bytes); far past it the
+    # client is cut off. Control frames (PING/SETTINGS ACKs, RST_STREAM) written and unsent past
+    # grpc_max_queued_control_frames: GOAWAY ENHANCE_YOUR_CALM (nghttp2's max_outbound_ack and
+    # Envoy's max_outbound_control_frames, both 1000).
+    grpc_calls_per_connection: int = Field(256, ge=1)
+    grpc_calls_per_stream: int = Field(128, ge=1)
+    grpc_write_buffer_bytes: int = Field(1 << 20, ge=1 << 14)
+    grpc_max_queued_control_frames: int = Field(1000, ge=1)
     # After the drain (or on SIGINT): how long requests still being read or answered get before the
     # process exits anyway.
     shutdown_timeout_s: float = Field(10.0, ge=0.0)

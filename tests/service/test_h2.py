@@ -10,6 +10,7 @@ import struct
 import urllib.parse
 import zlib
 from collections import defaultdict
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -30,7 +31,9 @@ END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, WITH_PRIORITY = 0x4, 0x8, 0x20
 INITIAL_WINDOW_SIZE, FRAME_LIMIT, DEFAULT_WINDOW = 0x4, 16384, 65535
 MAX_MESSAGE = 200_000
-ECHO, BIG, FAIL, WAIT, CHAT = (f"/toy.Toy/{name}" for name in ("Echo", "Big", "Fail", "Wait", "Chat"))
+ECHO, BIG, FAIL, WAIT, CHAT, HOLD, PILE = (f"/toy.Toy/{name}" for name in ("Echo", "Big", "Fail", "Wait", "Chat",
+                                                                           "Hold", "Pile"))
+STREAMING = (CHAT, HOLD, PILE)
 
 
 @dataclass
@@ -48,7 +51,10 @@ def pattern(n: int) -> bytes:
 
 def toy_methods(state) -> dict:
     """Echo, Big (``int(request)`` bytes), Fail (aborts NOT_FOUND, the request as the message), Wait
-    (for ``state.release``; sets ``state.cancelled`` if cancelled), Chat (one answer per request)."""
+    (for ``state.release``, counted in ``state.waiting``; sets ``state.cancelled`` if cancelled);
+    streaming: Chat (one answer per request), Hold (takes no request before ``state.release``, then
+    answers each "ok"), Pile (like ModelStreamInfer: takes every request it may at once, counted in
+    ``state.taken``, and answers each once ``state.release`` is set)."""
 
     async def echo(request, context):
         return request
@@ -57,9 +63,10 @@ def toy_methods(state) -> dict:
         return Blob(pattern(int(request.data)))
 
     async def fail(request, context):
-        raise grpc_calls.Abort("NOT_FOUND", request.data.decode())
+        raise grpc_calls.Abort("NOT_FOUND", request.data.decode(errors="replace"))
 
     async def wait(request, context):
+        state.waiting += 1
         state.started.set()
         try:
             await state.release.wait()
@@ -72,30 +79,75 @@ def toy_methods(state) -> dict:
         async for request in requests:
             yield Blob(b"re: " + request.data)
 
-    handlers = {ECHO: echo, BIG: big, FAIL: fail, WAIT: wait, CHAT: chat}
-    return {path: grpc_calls.Method(path.rsplit("/", 1)[1], Blob, handler, path == CHAT)
+    async def hold(requests, context):
+        await state.release.wait()
+        async for _ in requests:
+            yield Blob(b"ok")
+
+    handlers = {ECHO: echo, BIG: big, FAIL: fail, WAIT: wait, CHAT: chat, HOLD: hold, PILE: pile_handler(state)}
+    return {path: grpc_calls.Method(path.rsplit("/", 1)[1], Blob, handler, path in STREAMING)
             for path, handler in handlers.items()}
 
 
+def pile_handler(state):
+    async def pile(requests, context):
+        answers: asyncio.Queue = asyncio.Queue()
+
+        async def answer(request):
+            await state.release.wait()
+            answers.put_nowait(Blob(b"re: " + request.data))
+
+        async def read():
+            tasks = []
+            async for request in requests:
+                state.taken += 1
+                tasks.append(asyncio.ensure_future(answer(request)))
+            await asyncio.gather(*tasks)
+            answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (blob := await answers.get()) is not None:
+                yield blob
+        finally:
+            reader.cancel()
+
+    return pile
+
+
 def toy_state() -> SimpleNamespace:
-    return SimpleNamespace(started=asyncio.Event(), release=asyncio.Event(), cancelled=asyncio.Event())
+    return SimpleNamespace(started=asyncio.Event(), release=asyncio.Event(), cancelled=asyncio.Event(), waiting=0,
+                           taken=0)
+
+
+def toy_stub(limits: h2.Limits | None = None, max_message: int = MAX_MESSAGE) -> SimpleNamespace:
+    """A stand-in for GrpcServer (the attributes a Connection reads) over the toy methods; a caller
+    sending ``x-deny: yes`` is refused. ``limits``: the defaults unless given."""
+    state = toy_state()
+    return SimpleNamespace(methods=toy_methods(state), max_message=max_message, connections=set(), draining=False,
+                           refuse=lambda name, metadata: "denied" if ("x-deny", "yes") in metadata else None,
+                           state=state, limits=limits or h2.Limits.of(Settings()))
+
+
+@asynccontextmanager
+async def toy_server(limits: h2.Limits | None = None, max_message: int = MAX_MESSAGE):
+    """``toy_stub`` serving on a free loopback port (``.port``)."""
+    stub = toy_stub(limits, max_message)
+    listener = await asyncio.get_running_loop().create_server(lambda: h2.Connection(stub), "127.0.0.1", 0)
+    stub.port = listener.sockets[0].getsockname()[1]
+    try:
+        yield stub
+    finally:
+        listener.close()
+        for connection in list(stub.connections):
+            connection.close()
+        await listener.wait_closed()
 
 
 @pytest.fixture
 async def server():
-    """A stand-in for GrpcServer (the five attributes a Connection reads) on a free loopback port;
-    a caller sending ``x-deny: yes`` is refused."""
-    state = toy_state()
-    stub = SimpleNamespace(methods=toy_methods(state), max_message=MAX_MESSAGE, connections=set(), draining=False,
-                           refuse=lambda name, metadata: "denied" if ("x-deny", "yes") in metadata else None,
-                           state=state)
-    listener = await asyncio.get_running_loop().create_server(lambda: h2.Connection(stub), "127.0.0.1", 0)
-    stub.port = listener.sockets[0].getsockname()[1]
-    yield stub
-    listener.close()
-    for connection in list(stub.connections):
-        connection.close()
-    await listener.wait_closed()
+    async with toy_server() as stub:
+        yield stub
 
 
 OPEN_CLIENTS: list = []
@@ -465,9 +517,13 @@ CONNECTION_ERRORS = {  # what -> (bytes sent, GOAWAY's error code)
     "an undecodable header block": (OPENING + frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\xfe"), 0x9),
     "a short RST_STREAM": (OPENING + frame(RST_STREAM, 0, 1, b"\0\0"), 0x6),
     "RST_STREAM on stream 0": (OPENING + frame(RST_STREAM, 0, 0, bytes(4)), 0x1),
+    "DATA on a stream never opened": (OPENING + frame(DATA, 0, 1, message(b"x")), 0x1),
+    "RST_STREAM on a stream never opened": (OPENING + frame(RST_STREAM, 0, 1, bytes(4)), 0x1),
+    "WINDOW_UPDATE on a stream never opened": (OPENING + frame(WINDOW_UPDATE, 0, 1, (100).to_bytes(4, "big")), 0x1),
 }
 
 
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("what", CONNECTION_ERRORS)
 async def test_a_connection_error_is_answered_with_goaway(server, what):
     sent, code = CONNECTION_ERRORS[what]
@@ -515,3 +571,242 @@ def test_grpc_timeout_rejects(value):
     with pytest.raises(grpc_calls.Abort) as refused:
         grpc_calls.grpc_timeout(value)
     assert refused.value.code == "INVALID_ARGUMENT", f"{value!r} refused INVALID_ARGUMENT, got {refused.value.code}"
+
+
+# Issue 34: what a hostile client can make one connection hold or do.
+ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, PROTOCOL_ERROR = 0xB, 0x3, 0x1
+SMALL = h2.Limits(calls_per_connection=2, calls_per_stream=4, write_buffer_bytes=1 << 16, queued_control_frames=10)
+
+
+class FakeTransport(asyncio.Transport):
+    """A Connection's transport without a socket: what it wrote, whether it reads, whether it was
+    closed or aborted; ``unsent`` plays the bytes the client has not read yet."""
+
+    def __init__(self):
+        super().__init__()
+        self.written, self.reading, self.closed, self.aborted, self.unsent = bytearray(), True, False, False, 0
+        self.high: int | None = None
+
+    def write(self, data) -> None:
+        self.written += data
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        self.high = high
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+def in_process(limits: h2.Limits | None = None) -> tuple[h2.Connection, FakeTransport]:
+    """A Connection over the toy methods on a FakeTransport, the client's preface and SETTINGS in."""
+    connection, transport = h2.Connection(toy_stub(limits)), FakeTransport()
+    connection.connection_made(transport)
+    connection.data_received(OPENING)
+    return connection, transport
+
+
+def frames_in(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """(type, flags, stream, payload) of each whole frame in ``data``."""
+    found, pos = [], 0
+    while len(data) - pos >= 9 and len(data) - pos >= 9 + (length := int.from_bytes(data[pos:pos + 3], "big")):
+        found.append((data[pos + 3], data[pos + 4], int.from_bytes(data[pos + 5:pos + 9], "big") & 0x7FFFFFFF,
+                      bytes(data[pos + 9:pos + 9 + length])))
+        pos += 9 + length
+    return found
+
+
+async def turns(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def until_true(done, what: str) -> None:
+    """Wait for ``done()`` (the server's own state, not a frame) for up to T seconds."""
+    async def poll():
+        while not done():
+            await asyncio.sleep(0.01)
+    await wait(poll(), what)
+
+
+def goaway_code(transport: FakeTransport) -> int | None:
+    codes = [struct.unpack(">II", p[:8])[1] for kind, _, _, p in frames_in(transport.written) if kind == GOAWAY]
+    return codes[-1] if codes else None
+
+
+@pytest.mark.timeout(30)
+async def test_a_new_stream_below_one_already_opened_is_a_connection_error(server):
+    client = await Client.connect(server.port)
+    answered(await unary(client, 5, ECHO, b"five"), message(b"five"))
+    client.send(frame(HEADERS, END_HEADERS | END_STREAM, 3, request_block(ECHO)))
+    await client.until_closed()
+    assert client.goaway == (5, PROTOCOL_ERROR), f"GOAWAY PROTOCOL_ERROR, last stream 5, got {client.goaway}"
+
+
+FLOOD_BURST = h2.FLOOD_BURST
+FLOODS = {  # what -> the bytes sent (the server fails on their last frame)
+    "PINGs": frame(PING, 0, 0, bytes(8)) * (FLOOD_BURST + 1),
+    "SETTINGS frames": frame(SETTINGS, 0, 0) * FLOOD_BURST,  # OPENING holds one more
+    "RST_STREAMs": frame(HEADERS, END_HEADERS | END_STREAM, 1, request_block(ECHO))
+    + frame(RST_STREAM, 0, 1, bytes(4)) * (FLOOD_BURST + 1),
+    "calls refused": b"".join(frame(HEADERS, END_HEADERS | END_STREAM, 2 * i + 1, request_block("/toy.Toy/Nope"))
+                              for i in range(FLOOD_BURST + 1)),
+    "two empty DATA frames in a row": frame(HEADERS, END_HEADERS, 1, request_block(ECHO)) + frame(DATA, 0, 1) * 2,
+    "nine CONTINUATION frames": frame(HEADERS, 0, 1, request_block(ECHO)[:10]) + b"".join(
+        frame(CONTINUATION, END_HEADERS if i == 8 else 0, 1, request_block(ECHO)[10 + i:11 + i]) for i in range(9)),
+    "33 entries in one SETTINGS frame": frame(SETTINGS, 0, 0, struct.pack(">HI", INITIAL_WINDOW_SIZE, 1000) * 33),
+    "PRIORITY frames on no stream": frame(PRIORITY, 0, 1, bytes(5)) * (h2.IDLE_PER_STREAM + 1),
+    "PING ACKs unasked for": frame(PING, ACK, 0, bytes(8)) * (h2.IDLE_PER_STREAM + 1),
+    "WINDOW_UPDATEs with no DATA sent": frame(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big"))
+    * (h2.WINDOW_UPDATES_PER_DATA + 1),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("what", FLOODS)
+async def test_a_flood_is_answered_with_enhance_your_calm(server, what):
+    client = await Client.open(server.port)
+    client.send(OPENING + FLOODS[what])
+    await client.until_closed()
+    assert client.goaway is not None and client.goaway[1] == ENHANCE_YOUR_CALM, \
+        f"GOAWAY ENHANCE_YOUR_CALM (0xb) for {what}, got {client.goaway}"
+    answered(await unary(await Client.connect(server.port), 1, ECHO, b"next"), message(b"next"))
+
+
+@pytest.mark.timeout(30)
+async def test_a_stream_window_comes_back_only_as_its_handler_takes_messages():
+    async with toy_server(max_message=1 << 22) as server:
+        client = await Client.connect(server.port, connection_window=1 << 24)
+        window, body = client.peer_initial, message(pattern(100_000))
+        count = window // 2 // len(body) + 1  # past half the window: where a WINDOW_UPDATE was due
+        client.call(1, HOLD, body * count, end=False)
+        await client.sync()
+        left = window - count * len(body)
+        assert client.out[1] == left, \
+            f"no WINDOW_UPDATE on stream 1 while its handler took nothing: {client.out[1] - left} bytes given back"
+        server.state.release.set()
+        await client.until(lambda: client.out[1] > left, "a WINDOW_UPDATE on stream 1")
+        client.send_data(1, b"", end=True)
+        answered(await client.answer(1), message(b"ok") * count)
+
+
+@pytest.mark.timeout(30)
+async def test_data_beyond_a_stream_window_is_a_flow_control_error():
+    async with toy_server(max_message=1 << 22) as server:
+        client = await Client.connect(server.port, connection_window=1 << 25)
+        body = message(pattern(100_000)) * (client.peer_initial // 100_005 + 1)
+        client.send(frame(HEADERS, END_HEADERS, 1, request_block(HOLD)))
+        client.send(b"".join(frame(DATA, 0, 1, body[i:i + FRAME_LIMIT]) for i in range(0, len(body), FRAME_LIMIT)))
+        await client.until_closed()
+        assert client.goaway == (1, FLOW_CONTROL_ERROR), f"GOAWAY FLOW_CONTROL_ERROR, got {client.goaway}"
+
+
+@pytest.mark.timeout(30)
+async def test_a_stream_handler_takes_at_most_calls_per_stream_requests_unanswered():
+    limits = h2.Limits(calls_per_connection=100, calls_per_stream=4, write_buffer_bytes=1 << 16,
+                       queued_control_frames=10)
+    async with toy_server(limits) as server:
+        client = await Client.connect(server.port)
+        client.call(1, PILE, b"".join(message(b"%d" % i) for i in range(10)), end=True)
+        await until_true(lambda: server.state.taken >= limits.calls_per_stream, "the handler to take requests")
+        await asyncio.sleep(0.1)
+        assert server.state.taken == limits.calls_per_stream, \
+            f"{limits.calls_per_stream} requests taken before any was answered, got {server.state.taken}"
+        server.state.release.set()
+        answer = await client.answer(1)
+        assert answer.data.count(b"re: ") == 10 and answer.trailers.get("grpc-status") == "0", answer
+
+
+@pytest.mark.timeout(30)
+async def test_a_connection_is_not_read_while_it_holds_its_cap_of_calls():
+    async with toy_server(SMALL) as server:
+        client = await Client.connect(server.port)
+        for stream in (1, 3, 5):
+            client.call(stream, WAIT, message(b""))
+        await until_true(lambda: server.state.waiting >= SMALL.calls_per_connection, "two calls to start")
+        client.send(frame(PING, 0, 0, b"held-up!"))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.until(lambda: b"held-up!" in client.pings, "a PING ACK"), 0.3)
+        assert server.state.waiting == SMALL.calls_per_connection, f"a third call started: {server.state.waiting}"
+        server.state.release.set()
+        for stream in (1, 3, 5):
+            answered(await client.answer(stream), message(b"released"))
+        await client.until(lambda: b"held-up!" in client.pings, "the PING ACK once the calls finished")
+
+
+@pytest.mark.timeout(30)
+async def test_an_unknown_method_is_answered_quoting_little_of_its_path(server):
+    client, encoder, path = await Client.connect(server.port), Encoder(), "/" + "x" * 3900
+    fields = [(":method", "POST"), (":scheme", "http"), (":path", path), ("content-type", "application/grpc")]
+    for stream in (1, 3):  # the second block refers to the path the first added to the table
+        client.send(frame(HEADERS, END_HEADERS | END_STREAM, stream, encoder.encode(fields)))
+        said = (await client.answer(stream)).trailers.get("grpc-message", "")
+        assert said.startswith("unknown method /xxx") and len(said) <= 2 * grpc_calls.ECHO_LIMIT, \
+            f"a grpc-message of at most {2 * grpc_calls.ECHO_LIMIT} characters, got {len(said)}: {said[:60]}..."
+
+
+@pytest.mark.timeout(30)
+async def test_one_read_is_handled_a_slice_per_event_loop_turn():
+    connection, transport = in_process()
+    await turns()
+    sent = frame(PING, 0, 0, bytes(8)) * 900
+    connection.data_received(sent)
+    acks = sum(1 for data in connection._out for kind, *_ in frames_in(data) if kind == PING)
+    assert acks == h2.SLICE_FRAMES and not transport.reading, \
+        f"{h2.SLICE_FRAMES} frames handled in the read's own turn, reading paused: {acks}, {transport.reading=}"
+    await turns()
+    acks = sum(1 for kind, flags, *_ in frames_in(transport.written) if kind == PING and flags & ACK)
+    assert acks == 900 and transport.reading, f"every PING answered on later turns, then reading on: {acks}"
+
+
+@pytest.mark.timeout(30)
+async def test_reading_stops_while_the_client_reads_too_little():
+    connection, transport = in_process()
+    connection.pause_writing()  # what the transport says past its high-water mark
+    connection.data_received(frame(PING, 0, 0, b"pingpong"))
+    await turns()
+    assert not transport.reading and b"pingpong" not in transport.written, "nothing read or answered while paused"
+    assert transport.high == Settings().grpc_write_buffer_bytes, f"the high-water mark set: {transport.high}"
+    connection.resume_writing()
+    await turns()
+    assert transport.reading and b"pingpong" in transport.written, "reading and answering on once resumed"
+
+
+@pytest.mark.timeout(30)
+async def test_a_client_that_leaves_too_much_unsent_is_cut_off():
+    connection, transport = in_process(SMALL)
+    await turns()
+    transport.unsent = h2.WRITE_HARD * SMALL.write_buffer_bytes + 1
+    connection.data_received(frame(PING, 0, 0, bytes(8)))
+    await turns()
+    assert transport.aborted, "the connection aborted once its unsent bytes passed the hard bound"
+
+
+@pytest.mark.timeout(30)
+async def test_control_frames_queued_unsent_past_the_limit_are_a_flood():
+    for unsent in (0, 1):  # 1: the client has left something unread, so nothing it is owed has gone out
+        connection, transport = in_process(SMALL)
+        await turns()
+        transport.unsent = unsent
+        for _ in range(2):
+            connection.data_received(frame(PING, 0, 0, bytes(8)) * (SMALL.queued_control_frames // 2 + 1))
+            await turns()
+        assert goaway_code(transport) == (ENHANCE_YOUR_CALM if unsent else None), \
+            f"GOAWAY ENHANCE_YOUR_CALM only when the ACKs stay unsent: {goaway_code(transport)} with {unsent=}"
