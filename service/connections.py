@@ -17,13 +17,12 @@ import resource
 import struct
 import time
 
-from fusedserve.service.h2_wire import GOAWAY, SETTINGS, frame
+from fusedserve.service.h2_wire import ENHANCE_YOUR_CALM, GOAWAY, SETTINGS, frame
 
 log = logging.getLogger("fusedserve")
 
 RESERVED_FDS = 64  # descriptors no connection may take: model files, logs, the engine's socket
 HTTP_ONLY_SHARE = 4  # 1/4 of the table only HTTP may take: its clients hold one connection per request
-ENHANCE_YOUR_CALM = 0xB  # RFC 9113 section 7: the GOAWAY code for load a peer should back off from
 # A client's first bytes: the 24-byte preface, then a SETTINGS frame's 9-byte header (its length first).
 PREFACE_BYTES, FRAME_HEAD = 24, 9
 
@@ -147,12 +146,15 @@ class GrpcPolicy:
             self._timer.cancel()
             self._timer = None
 
+    def sweep(self, now: float) -> None:
+        """Hold every connection to its timers at ``now`` (the event loop's time)."""
+        for connection in list(self.connections):
+            if connection.watch is not None and not connection.failed:
+                self._check(connection, connection.watch, now)
+
     def _sweep(self, loop) -> None:
         try:
-            now = loop.time()
-            for connection in list(self.connections):
-                if connection.watch is not None and not connection.failed:
-                    self._check(connection, connection.watch, now)
+            self.sweep(loop.time())
         finally:
             # Jittered: the message deadline tells messages apart by a stream's bytes shrinking
             # between sweeps; at a fixed period a steady stream could alias into looking stalled.
@@ -173,13 +175,15 @@ class GrpcPolicy:
 
     def _check_messages(self, connection, watch: Watch, now: float) -> None:
         held, late = {}, []
+        # The client may send nothing while we read nothing (its calls at their cap) or its window is spent.
+        stalled_by_us = not connection.reading or connection.recv_window <= 0
         for stream_id, stream in connection.streams.items():
             if stream.remote_closed or (stream.inbox is not None and not _partial(stream.body)):
                 continue  # a unary request that is whole; a stream between messages, or waiting on us
             size = len(stream.body)
             since, seen = watch.held.get(stream_id, (now, size))
-            if size < seen:  # a streaming call's message was taken whole: the bytes are a later one's
-                since = now
+            if size < seen or stalled_by_us or stream.recv_window <= 0:
+                since = now  # a streaming call's message was taken whole, or the client waits on us
             held[stream_id] = (since, size)
             if now - since >= self.message_s:
                 late.append(stream)

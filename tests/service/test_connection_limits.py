@@ -1,7 +1,8 @@
 """Issue 34, item 4, on a real server (``python -m fusedserve serve`` on loopback) whose open-file
 limit is low: gRPC connections meet a handshake deadline, an idle timeout and a request-message
 deadline, and draw on the process's descriptors only up to their share, so HTTP keeps answering
-however many gRPC connections a client opens; each refusal kind is logged at most once a second."""
+however many gRPC connections a client opens; each refusal kind is logged at most once a second.
+And, against a stand-in connection, a message the server itself holds up is never timed out."""
 
 import json
 import resource
@@ -9,10 +10,15 @@ import selectors
 import socket
 import struct
 import time
+from collections import deque
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import httpx
 import pytest
+
+from fusedserve.service.connections import GrpcPolicy, Watch
+from fusedserve.service.settings import Settings
 
 from .conftest import Server, write_repository
 from .test_h2 import DATA, END_HEADERS, GOAWAY, HEADERS, PREFACE, RST_STREAM, SETTINGS, frame, request_block
@@ -220,3 +226,34 @@ def test_grpc_is_refused_its_descriptors_before_http_starves(tmp_path):
     finally:
         close_all(socks)
         s.stop()
+
+
+class StalledConnection:
+    """What GrpcPolicy reads of a service.h2.Connection: one streaming call holding half a message,
+    whose client may send ``window`` more bytes; ``reading``: whether the server reads the connection."""
+
+    def __init__(self, window: int, reading: bool):
+        half = b"\x00" + (100).to_bytes(4, "big") + b"x" * 50
+        self.stream = SimpleNamespace(id=1, body=bytearray(half), inbox=deque(), remote_closed=False, task=None,
+                                      recv_window=window)
+        self.streams, self.last_id, self.goaway_id, self.failed = {1: self.stream}, 1, None, False
+        self.reading, self.recv_window = reading, 1 << 24
+        self.watch = Watch(0.0)
+        self.watch.greeted = True
+        self.transport = SimpleNamespace(get_extra_info=lambda name: ("127.0.0.1", 1))
+        self.answered: list[str] = []
+
+    def finish(self, stream, code: str, message: str) -> None:
+        self.answered.append(code)
+        del self.streams[stream.id]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("window", "reading", "late"), [(1000, True, True), (0, True, False), (1000, False, False)],
+                         ids=["the client is slow", "its window is spent", "the server reads nothing"])
+def test_a_message_the_server_holds_up_is_not_timed_out(window, reading, late):
+    connection = StalledConnection(window, reading)
+    policy = GrpcPolicy(Settings(body_timeout_s=1.0), {connection})
+    for now in (0.0, 0.5, 1.0, 1.5, 2.0):
+        policy.sweep(now)
+    assert connection.answered == (["DEADLINE_EXCEEDED"] if late else []), connection.answered
