@@ -22,6 +22,7 @@ from fusedserve.service.settings import Settings
 
 from .conftest import Server, write_repository
 from .test_h2 import DATA, END_HEADERS, GOAWAY, HEADERS, PREFACE, RST_STREAM, SETTINGS, frame, request_block
+from .test_h2_floods import rss_mib
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 NO_ERROR, ENHANCE_YOUR_CALM = 0x0, 0xB
@@ -189,13 +190,6 @@ def test_an_unfinished_large_message_is_answered_deadline_exceeded_and_freed(sho
         assert grown > 30 and after < grown / 2, f"RSS grew {grown:.0f} MiB while held, {after:.0f} MiB after"
     finally:
         close_all(socks)
-
-
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
 
 
 @pytest.mark.timeout(90)
