@@ -45,7 +45,9 @@ MAX_HEADER_LIST = 1 << 16
 # holds at most this many largest messages unfinished (checked once one stream holds HELD_CHECK bytes).
 HELD_MESSAGES, HELD_CHECK = 8, 1 << 16
 OPENED_CACHE = 64  # header blocks remembered per connection (a client sends the same few again and again)
-RECENT_IDS = MAX_STREAMS  # stream ids remembered: HEADERS on one is late trailers, on any other lower id an error
+# Stream ids remembered: those opened among the last this many ids. HEADERS on one is late trailers;
+# on any other id below the highest opened, an error.
+RECENT_IDS = 2 * MAX_STREAMS
 # Frames (or bytes) one connection's reads are handled in per event-loop turn, the rest on later turns
 # with reading paused: a megabyte read cannot hold the loop from every other connection.
 SLICE_FRAMES, SLICE_BYTES = 256, 1 << 16
@@ -160,8 +162,7 @@ class Connection(asyncio.Protocol):
         self.stream_window = min(MAX_WINDOW, max(RECV_WINDOW, server.max_message + 5))
         self.check_at = min(HELD_CHECK, server.max_message + 5)  # a stream holding more is checked (_fits)
         self.recv_window = RECV_WINDOW  # what the client may still send on the connection
-        self.recent: set[int] = set()  # the last RECENT_IDS stream ids opened
-        self._recent_order: deque[int] = deque()  # the same, oldest first
+        self.recent: set[int] = set()  # the stream ids opened lately (RECENT_IDS)
         self.in_flight = 0  # requests in flight: unary handlers running, stream requests unanswered
         self.scheduled = False  # a later turn handles the rest of what was read
         self.reading = True
@@ -526,9 +527,8 @@ class Connection(asyncio.Protocol):
         self.last_id = stream_id
         self.opened_total += 1
         self.recent.add(stream_id)
-        self._recent_order.append(stream_id)
-        if len(self._recent_order) > RECENT_IDS:
-            self.recent.discard(self._recent_order.popleft())
+        if len(self.recent) > RECENT_IDS:  # forget those now too old, all at once
+            self.recent = {i for i in self.recent if i > stream_id - RECENT_IDS}
         if ((self.goaway_id is not None and stream_id > self.goaway_id) or len(self.streams) >= MAX_STREAMS
                 or (self.blocked and self._unsent() > WRITE_HARD * self.limits.write_buffer_bytes)):
             self._flood("streams refused")
