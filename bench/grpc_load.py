@@ -61,7 +61,7 @@ from bench.loadgen import IO_TIMEOUT_S, read_response, split  # noqa: E402
 from bench.h2_client import (METHOD, STREAM_METHOD, raw_stream_client,  # noqa: E402
                              raw_unary_client)
 from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec  # noqa: E402
-from fusedserve.service.grpc_calls import length_prefixed  # noqa: E402
+from fusedserve.service.grpc.calls import length_prefixed  # noqa: E402
 
 from bench import runs  # noqa: E402
 

@@ -13,8 +13,8 @@ from hpack import Decoder
 from hpack.exceptions import HPACKError
 
 from bench.loadgen import IO_TIMEOUT_S
-from fusedserve.service.grpc_calls import literal
-from fusedserve.service.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
+from fusedserve.service.grpc.calls import literal
+from fusedserve.service.grpc.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
                                         PADDED, PING, PREFACE, RST_STREAM, SETTINGS, WINDOW_UPDATE, WITH_PRIORITY,
                                         changes_table, frame)
 

@@ -111,7 +111,7 @@ def parse_stacks(text: str) -> Counter:
 
 def parse_stacks_by_process(text: str) -> Counter:
     """Like ``parse_stacks``, keyed by ``(role, frames)``: the role is the module of the innermost
-    process frame (``process 12:"python -m fusedserve.service.engine_process ..."`` ->
+    process frame (``process 12:"python -m fusedserve.service.workers.engine_process ..."`` ->
     ``engine_process``), or ``""`` where py-spy named no process."""
     stacks = Counter()
     for line in text.splitlines():
@@ -199,7 +199,7 @@ async def _stages(device: str, body: bytes, reps: int) -> dict:
     import torch
 
     from fusedserve.service.app import create_app
-    from fusedserve.service.inputs import dump_json, parse_json, rows_from_json
+    from fusedserve.service.http.codec import dump_json, parse_json, rows_from_json
     from fusedserve.service.settings import Settings
 
     app = create_app(Settings(device=device, max_batch_size=64, gc_freeze=False, grpc_port=0))  # shipped digits, HTTP only

@@ -122,7 +122,7 @@ def read_procs(proc: Path = Path("/proc")) -> dict[int, tuple[int, int]]:
 
 
 def process_role(pid: int, proc: Path = Path("/proc")) -> str:
-    """The module a Python process runs (``-m fusedserve.service.frontend`` -> ``frontend``), or its
+    """The module a Python process runs (``-m fusedserve.service.workers.frontend`` -> ``frontend``), or its
     program's name; ``?`` once it is gone."""
     try:
         argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")

@@ -11,16 +11,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from fusedserve.service.engine import Engine, LocalEngine
+from fusedserve.service.engine.client import Engine, LocalEngine
 from fusedserve.service.errors import ServiceError, log_unexpected
-from fusedserve.service.hotpath import HotPath, route
-from fusedserve.service.middleware import RequestIdMiddleware, RequestIds
-from fusedserve.service.remote import RemoteEngine
-from fusedserve.service.routers import dashboard, health, infer, metrics, model_stats, repository, stats, v2
+from fusedserve.service.http.hotpath import HotPath, route
+from fusedserve.service.http.middleware import RequestIdMiddleware, RequestIds
+from fusedserve.service.workers.remote import RemoteEngine
+from fusedserve.service.http.routes import dashboard, health, infer, metrics, model_stats, repository, stats, v2
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
-from fusedserve.service.state import ServiceState
-from fusedserve.service.timing import LayerSinks
+from fusedserve.service.engine.state import ServiceState
+from fusedserve.service.stats.sinks import LayerSinks
 
 log = logging.getLogger("fusedserve")
 
@@ -31,7 +31,7 @@ async def _start_grpc(app: FastAPI):
     settings = state.settings
     if not settings.grpc_port:
         return None
-    from fusedserve.service.grpc_server import GrpcServer  # grpc is imported only when it serves
+    from fusedserve.service.grpc.server import GrpcServer  # grpc is imported only when it serves
 
     server = GrpcServer(app.state.engine, settings, app.state.control,
                         reuse_port=app.state.engine_process is not None)
@@ -48,7 +48,7 @@ async def _lifespan(app: FastAPI):
         async with _front_end(app):
             yield
         return
-    from fusedserve.service import startup  # torch, the models: never in a front-end process
+    from fusedserve.service.engine import startup  # torch, the models: never in a front-end process
 
     runners = await startup.load(state, app.state.timing_sink)
     # gRPC listens from here, like HTTP: liveness and metadata now, readiness and inference once warm.
@@ -115,7 +115,7 @@ def _unexpected_reporter(engine: Engine):
 
 
 class ServiceApp(FastAPI):
-    """FastAPI, with the routes that carry rows served first, framework-free (``service.hotpath``)."""
+    """FastAPI, with the routes that carry rows served first, framework-free (``service.http.hotpath``)."""
 
     hot_path: HotPath
 
@@ -136,12 +136,12 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     # What the front ends (HTTP inference, gRPC) ask of the models: here, or in the engine process.
     app.state.engine = LocalEngine(state) if engine_process is None else RemoteEngine(engine_process, state)
     app.state.engine_process = engine_process
-    app.state.grpc = None  # the GrpcServer while it serves (service.grpc_server)
+    app.state.grpc = None  # the GrpcServer while it serves (service.grpc.server)
     app.state.timing_sink = LayerSinks((state.stats, state.metrics))
     # The v2 repository routes; a front end of --workers N has no models to control.
     app.state.control = None
     if engine_process is None:
-        from fusedserve.service.repository import ModelControl  # torch: never in a front-end process
+        from fusedserve.service.engine.model_control import ModelControl  # torch: never in a front-end process
 
         app.state.control = ModelControl(state, app.state.timing_sink)
     state.metrics.watch_queues(state.batchers)  # filled once warm; /metrics reads it at each scrape

@@ -97,11 +97,11 @@ def settings_from_args(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace, settings) -> None:
     from fusedserve.service.app import create_app
-    from fusedserve.service.server import DrainingServer, uvicorn_config
+    from fusedserve.service.http.server import DrainingServer, uvicorn_config
 
     configure(args.log_level, args.log_format)
     if settings.workers > 1:
-        from fusedserve.service import supervisor
+        from fusedserve.service.workers import supervisor
 
         supervisor.run(settings, args.log_level, args.log_format)
         return

@@ -1,4 +1,4 @@
-"""What every connection, HTTP/1.1 (``service.protocol``) or gRPC (``service.h2``), is held to: a
+"""What every connection, HTTP/1.1 (``service.http.connection``) or gRPC (``service.grpc.h2``), is held to: a
 share of the process's open-file limit, a cap on how many are open, and warnings about refusals at
 most once a second; and gRPC's timers (handshake deadline, idle timeout, request-message deadline),
 kept by one sweep over the connections ten times per shortest timeout (at most once a second).
@@ -17,7 +17,7 @@ import resource
 import struct
 import time
 
-from fusedserve.service.h2_wire import ENHANCE_YOUR_CALM, GOAWAY, SETTINGS, frame
+from fusedserve.service.grpc.h2_wire import ENHANCE_YOUR_CALM, GOAWAY, SETTINGS, frame
 
 log = logging.getLogger("fusedserve")
 
@@ -103,7 +103,7 @@ class Watch:
 
 
 class GrpcPolicy:
-    """gRPC's connection limits over the server's set of ``connections`` (``service.h2.Connection``):
+    """gRPC's connection limits over the server's set of ``connections`` (``service.grpc.h2.Connection``):
     admission (the cap and the descriptor budget: refused with GOAWAY ENHANCE_YOUR_CALM), then the
     sweep: no preface and SETTINGS within ``header_timeout_s``: closed; no stream for
     ``grpc_idle_timeout_s``: GOAWAY NO_ERROR, then closed; a request message unfinished

@@ -13,7 +13,7 @@ import ipaddress
 
 from pydantic import SecretStr
 
-from fusedserve.service.inputs import dump_json
+from fusedserve.service.http.codec import dump_json
 from fusedserve.service.settings import Settings
 
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready", "/healthz", "/readyz"})

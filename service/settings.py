@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     # KServe v2 gRPC on the same host (Triton's default port); 0 turns gRPC off.
     grpc_port: int = Field(8001, ge=0, le=65535)
     # Front-end processes; 1 serves everything in one process, N > 1 adds one engine process
-    # (service.supervisor). The default grows with the cores (README, "Processes").
+    # (service.workers.supervisor). The default grows with the cores (README, "Processes").
     workers: int = Field(default_factory=default_workers, ge=1)
     model_repository: Path = Field(default_factory=_shipped_repository)
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:<index>"
@@ -71,12 +71,12 @@ class Settings(BaseSettings):
     # torch intra-op threads for CPU models; 0 = torch's default (one per physical core).
     torch_threads: int = Field(0, ge=0)
     # After SIGTERM (readiness false, new connections refused): at most this long open connections
-    # keep being answered; the process exits sooner once none is left (service.server).
+    # keep being answered; the process exits sooner once none is left (service.http.server).
     drain_grace_s: float = Field(2.0, ge=0.0)
     # A model that fails to load stops start-up (Triton's --exit-on-error); off, the others serve
     # and the failed one answers 503 saying why (model ready/metadata routes, /metrics).
     exit_on_error: bool = True
-    # HTTP connections (service.protocol): request line + headers over this many bytes get 431; a
+    # HTTP connections (service.http.connection): request line + headers over this many bytes get 431; a
     # request head or body not fully received in time gets 408; connections past the cap get 503
     # (0: 4096, or fewer under a lower open-file limit). gRPC (service.connections): the same cap,
     # counted apart (GOAWAY past it), each protocol within its share of the open-file limit; the
@@ -90,7 +90,7 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0.0)
     max_connections: int = Field(0, ge=0)
     grpc_idle_timeout_s: float = Field(300.0, ge=0.0)
-    # What one gRPC client may make its connection hold (service.h2). Requests in flight (handlers
+    # What one gRPC client may make its connection hold (service.grpc.h2). Requests in flight (handlers
     # running, a stream's requests taken and not yet answered), per connection and per
     # ModelStreamInfer stream: at the cap the server stops reading the connection, or stops taking
     # the stream's messages (they then wait under HTTP/2 flow control), until some are answered;

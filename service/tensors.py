@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fusedserve.service.errors import BadInput, UnknownModel
-from fusedserve.service.state import ModelInfo
+from fusedserve.service.engine.state import ModelInfo
 
 SERVER_NAME, SERVER_VERSION = "fusedserve", "0.1.0"
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")

@@ -1,5 +1,6 @@
-"""The shape the code keeps (issue 21): source files under 450 lines, functions under 60 lines
-outside kernel bodies (``@triton.jit`` / ``@gluon.jit``), one installed package."""
+"""The shape the code keeps: source files under 450 lines, functions under 60 lines outside kernel
+bodies (``@triton.jit`` / ``@gluon.jit``), one installed package, at most 15 modules a folder, and no
+import circle (imports inside functions count: a lazy import still ties two modules together)."""
 
 import ast
 import shutil
@@ -50,3 +51,53 @@ def test_the_wheel_installs_only_fusedserve(tmp_path):
     assert "fusedserve/models/repository/digits/model.safetensors" in names
     for asset in ("index.html", "dashboard.js", "dashboard.css"):  # the live page ships in the package
         assert f"fusedserve/service/dashboard/{asset}" in names, asset
+
+
+MAX_MODULES_PER_FOLDER = 15
+PACKAGES = {"kernels": "fusedserve.kernels", "models": "fusedserve.models", "service": "fusedserve.service"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed package by its dotted name."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _imports(path: Path, modules: dict) -> set[str]:
+    """The package's modules ``path`` imports, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusedserve"):
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("fusedserve"))
+    return {name for name in found if name in modules}
+
+
+def test_no_import_circle():
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            raise AssertionError("import circle: " + " -> ".join(trail[trail.index(name):] + [name]))
+        if name not in done:
+            for dep in sorted(graph[name]):
+                visit(dep, trail + [name])
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_no_folder_holds_more_than_15_modules():
+    folders = {path.parent for folder in PACKAGES for path in (ROOT / folder).rglob("*.py")}
+    crowded = {str(f.relative_to(ROOT)): n for f in folders
+               if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER}
+    assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules: {crowded}"

@@ -127,7 +127,7 @@ def drive(url: str, seconds: float, out: Path, clients: int = 8) -> dict:
 
 
 def _replay_handler(data: dict):
-    from fusedserve.service.routers.dashboard import ASSETS, asset
+    from fusedserve.service.http.routes.dashboard import ASSETS, asset
 
     routes = {"/model-stats": json.dumps(data["model_stats"]).encode(),
               "/kernel-stats": json.dumps(data["kernel_stats"]).encode()}

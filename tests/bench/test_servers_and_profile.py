@@ -89,9 +89,9 @@ def test_cpu_by_process_names_each_role_and_its_busiest_process(tmp_path):
 
 
 def test_summarize_by_process_keys_samples_by_the_innermost_process_module():
-    text = ('process 5:"python -m fusedserve serve";process 6:"python -m fusedserve.service.engine_process --x 1";'
-            "Batcher._loop (service/batcher.py:238) 3\n"
-            'process 5:"python -m fusedserve serve";process 7:"python -m fusedserve.service.frontend --fd 3";'
+    text = ('process 5:"python -m fusedserve serve";process 6:"python -m fusedserve.service.workers.engine_process --x 1";'
+            "Batcher._loop (service/engine/batcher.py:238) 3\n"
+            'process 5:"python -m fusedserve serve";process 7:"python -m fusedserve.service.workers.frontend --fd 3";'
             "thread (0x1);Runner.run (asyncio/runners.py:118) 1\n"
             'process 5:"python -m fusedserve serve";Runner.run (asyncio/runners.py:118) 2\n')
     summary = summarize_by_process(text)
@@ -108,7 +108,7 @@ def _running(pid: int) -> bool:
 
 
 def test_area_goes_by_the_first_folder_and_stdlib_frames_defer_to_their_caller():
-    assert area("infer_route (service/routers/infer.py:30)").startswith("fusedserve service")
+    assert area("infer_route (service/http/routes/infer.py:30)").startswith("fusedserve service")
     assert area("relu (torch/nn/functional.py:1771)") == "torch"
     assert area("_Environ.__getitem__ (<frozen os>:676)") is None
     assert area("something (mypkg/mod.py:1)") == "other"
@@ -116,7 +116,7 @@ def test_area_goes_by_the_first_folder_and_stdlib_frames_defer_to_their_caller()
 
 def test_summarize_stacks_shares_samples_by_innermost_area_and_inclusively():
     text = ('process 5:"python -m fusedserve serve";Runner.run (asyncio/runners.py:118);'
-            "infer_route (service/routers/infer.py:30);forward (torch/nn/functional.py:1) 3\n"
+            "infer_route (service/http/routes/infer.py:30);forward (torch/nn/functional.py:1) 3\n"
             'process 5:"python -m fusedserve serve";Runner.run (asyncio/runners.py:118);'
             "get_tracer_provider (trace/__init__.py:569);_Environ.__getitem__ (<frozen os>:676) 1\n"
             "garbage line\n")

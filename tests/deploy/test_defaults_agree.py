@@ -10,7 +10,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from fusedserve.service.app import create_app
-from fusedserve.service.metrics import Metrics
+from fusedserve.service.stats.metrics import Metrics
 from fusedserve.service.settings import Settings
 
 from .manifests import DEPLOY, image, load, needs_kubectl, one, render

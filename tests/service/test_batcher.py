@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fusedserve.service.batcher import REMEASURE_EVERY, Batcher
+from fusedserve.service.engine.batcher import REMEASURE_EVERY, Batcher
 from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, QueueFull
-from fusedserve.service.stats import ServiceStats
+from fusedserve.service.stats.service_stats import ServiceStats
 
 IN, OUT = 3, 2
 

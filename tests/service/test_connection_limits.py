@@ -223,7 +223,7 @@ def test_grpc_is_refused_its_descriptors_before_http_starves(tmp_path):
 
 
 class StalledConnection:
-    """What GrpcPolicy reads of a service.h2.Connection: one streaming call holding half a message,
+    """What GrpcPolicy reads of a service.grpc.h2.Connection: one streaming call holding half a message,
     whose client may send ``window`` more bytes; ``reading``: whether the server reads the connection."""
 
     def __init__(self, window: int, reading: bool):

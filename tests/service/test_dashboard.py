@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from fusedserve.service.routers import dashboard
+from fusedserve.service.http.routes import dashboard
 
 
 async def test_root_redirects_to_the_page(client):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tools.dashboard_shot import browser_paths, capture, chrome, full_page_png, replay
-from fusedserve.service.peaks import gpu_peaks
+from fusedserve.service.stats.peaks import gpu_peaks
 
 from .conftest import Server, write_repository
 

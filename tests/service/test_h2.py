@@ -1,4 +1,4 @@
-"""Our HTTP/2 (``service.h2``) and gRPC call layer (``service.grpc_calls``) spoken to frame by frame
+"""Our HTTP/2 (``service.grpc.h2``) and gRPC call layer (``service.grpc.calls``) spoken to frame by frame
 from a raw socket, against toy methods (no model service): what a gRPC client library never sends
 or never shows. SETTINGS and PING, flow control both ways, padded and split header blocks,
 RST_STREAM, refusals answered trailers-only, connection errors answered with GOAWAY, and drain."""
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 from hpack import Decoder, Encoder
 
-from fusedserve.service import grpc_calls, h2
-from fusedserve.service.grpc_server import GrpcServer
+from fusedserve.service.grpc import calls as grpc_calls, h2
+from fusedserve.service.grpc.server import GrpcServer
 from fusedserve.service.settings import Settings
 
 from .conftest import free_port

@@ -1,4 +1,4 @@
-"""Random frame sequences fed to one HTTP/2 connection (``service.h2``, over the toy gRPC methods of
+"""Random frame sequences fed to one HTTP/2 connection (``service.grpc.h2``, over the toy gRPC methods of
 test_h2, on a fake transport in-process): lengths, flags, stream ids and payloads drawn at random or
 shaped like a gRPC client's, split at random points, with the client's reading paused and resumed.
 Whatever comes, the connection serves or closes with a GOAWAY as its last frame, never raises out
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusedserve.service import h2
+from fusedserve.service.grpc import h2
 
 from .test_h2 import (ACK, CHAT, CONTINUATION, DATA, ECHO, END_HEADERS, END_STREAM, FAIL, GOAWAY, HEADERS, HOLD,
                       INITIAL_WINDOW_SIZE, OPENING, PADDED, PILE, PING, RST_STREAM, SETTINGS, WAIT, WINDOW_UPDATE,

@@ -1,4 +1,4 @@
-"""The rows' routes served framework-free (``service.hotpath``) answer exactly as the framework's
+"""The rows' routes served framework-free (``service.http.hotpath``) answer exactly as the framework's
 routes do, and are what serves them."""
 
 import asyncio
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from fusedserve.service.hotpath import route
+from fusedserve.service.http.hotpath import route
 
 ROWS = [[0.5, -1.0, 2.0], [3.0, 0.0, -7.0]]
 RAW = np.array(ROWS, dtype=np.float32).tobytes()
@@ -73,8 +73,8 @@ def test_routes(path, want):
 async def test_a_request_alone_on_the_server_does_not_wait_for_others(client, monkeypatch, others, alone):
     # The HTTP protocol puts the server's requests in progress in the scope (middleware.REQUESTS);
     # a request alone there tells the engine so, and its batch need not wait a turn for others.
-    from fusedserve.service.middleware import GONE
-    from fusedserve.service.middleware import REQUESTS as IN_PROGRESS
+    from fusedserve.service.http.middleware import GONE
+    from fusedserve.service.http.middleware import REQUESTS as IN_PROGRESS
 
     engine, seen = client.app.state.engine, []
     real = engine.infer

@@ -7,8 +7,8 @@ import numpy as np
 import orjson
 import pytest
 
-from fusedserve.service import inputs
-from fusedserve.service.inputs import rows_from_json, simd_rows
+from fusedserve.service.http import codec as inputs
+from fusedserve.service.http.codec import rows_from_json, simd_rows
 
 
 def checked(raw: bytes, width: int) -> np.ndarray:

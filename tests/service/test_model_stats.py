@@ -3,9 +3,9 @@ peaks, cleared by POST /kernel-stats/reset like the kernel timings."""
 
 import pytest
 
-from fusedserve.service import peaks
-from fusedserve.service.routers.model_stats import by_status, outcome_statuses
-from fusedserve.service.stats import ServiceStats
+from fusedserve.service.stats import peaks
+from fusedserve.service.stats.model_stats import by_status, outcome_statuses
+from fusedserve.service.stats.service_stats import ServiceStats
 
 ROWS = [[0.5, -1.0, 2.0], [3.0, 0.0, -7.0]]
 

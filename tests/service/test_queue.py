@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fusedserve.service.errors import QueueFull
-from fusedserve.service.queue import RequestQueue
+from fusedserve.service.engine.queue import RequestQueue
 
 
 def rows(n):

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from prometheus_client import generate_latest
 
-from fusedserve.service.metrics import Metrics
+from fusedserve.service.stats.metrics import Metrics
 
 
 @dataclass

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from fusedserve.models.timing import LayerTiming
-from fusedserve.service.stats import ServiceStats
+from fusedserve.service.stats.service_stats import ServiceStats
 
 
 def timing(seconds, layer="layers.0", M=17, N=70, K=130, dtype="float16", config="BM=16"):

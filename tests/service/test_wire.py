@@ -1,10 +1,10 @@
-"""The frames between front ends and the engine process (``service.wire``), split however the
+"""The frames between front ends and the engine process (``service.workers.wire``), split however the
 stream cuts them: rows and outputs bit-exact, errors back as their own class."""
 
 import numpy as np
 import pytest
 
-from fusedserve.service import wire
+from fusedserve.service.workers import wire
 from fusedserve.service.errors import BadInput, QueueFull
 
 
