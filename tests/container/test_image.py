@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, save_model
-from fusedserve.models.train_digits import TRAINING_FILE, held_out_split
+from tools.train_digits import TRAINING_FILE, held_out_split
 from fusedserve.service.settings import Settings
 
 IMAGE = os.environ.get("FUSEDSERVE_TEST_IMAGE")

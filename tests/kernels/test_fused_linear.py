@@ -416,7 +416,7 @@ def test_every_config_compiles_for_hopper():
     # from mock tensors (no GPU needed), in a fresh process without TRITON_INTERPRET. ~30 s here.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(kernels.__file__).parents[1]), env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-m", "fusedserve.kernels.triton.sm90"], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "tools.sm90_triton"], env=env, capture_output=True,
                             text=True, timeout=600)
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
     assert result.returncode == 0 and not failed, "\n".join(failed) or result.stderr[-3000:]

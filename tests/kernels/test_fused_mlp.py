@@ -309,14 +309,14 @@ def test_config_fills_the_sms_or_is_as_narrow_as_tl_dot_allows(M, N):
     assert programs >= 132 or (bm, bn) == (16, 16), f"M={M} N={N}: {programs} programs with {config}"
 
 
-# Compiles the layer kernel for sm_90 as a launch would (fusedserve.kernels.sm90) with every tuning candidate
+# Compiles the layer kernel for sm_90 as a launch would (tools.sm90) with every tuning candidate
 # of one layer, and prints one line per config with what the tests check. Run in a child process:
 # under TRITON_INTERPRET=1 (this session's CPU set-up) kernels are interpreted objects that cannot
 # compile.
 COMPILE_SM90 = """
 import sys, torch
 from triton.runtime.jit import MockTensor
-from fusedserve.kernels.sm90 import compile_sm90, ptxas_usage
+from tools.sm90 import compile_sm90, ptxas_usage
 from fusedserve.kernels.family import config_str
 from fusedserve.kernels.triton.fused_mlp import _fused_mlp_layer_kernel, fused_mlp_candidates
 

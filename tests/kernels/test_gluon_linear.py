@@ -47,7 +47,7 @@ COMPILE_CASES = [("none", False), ("relu", True), ("relu", False), ("gelu", True
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("activation, has_bias", COMPILE_CASES)
 def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
-    from fusedserve.kernels.gluon.sm90 import compile_wgmma as compile_sm90
+    from tools.sm90_gluon import compile_wgmma as compile_sm90
 
     # Awkward sizes: M and K tails are handled by TMA clipping and zero fill, not by masks.
     compiled = compile_sm90(130, 1000, 136, dtype, cfg, activation, has_bias)
@@ -72,8 +72,8 @@ def test_compiles_for_sm90(cfg, dtype, activation, has_bias):
 @pytest.mark.parametrize("cfg", GLUON_CONFIGS, ids=str)
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 def test_no_register_spills(cfg, activation):
-    from fusedserve.kernels.sm90 import ptxas_usage
-    from fusedserve.kernels.gluon.sm90 import compile_wgmma as compile_sm90
+    from tools.sm90 import ptxas_usage
+    from tools.sm90_gluon import compile_wgmma as compile_sm90
 
     # A spilled accumulator goes through local memory on every k-step: the kernel would crawl.
     compiled = compile_sm90(4096, 4096, 4096, torch.bfloat16, cfg, activation, True)

@@ -92,8 +92,8 @@ def test_launch_rejects_what_it_cannot_run():
                                      (256, 4096, 4096), (16, 11008, 4096), (64, 11008, 4096)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
-    from fusedserve.kernels.sm90 import ptxas_usage
-    from fusedserve.kernels.gluon.sm90 import compile_small_m as compile_small_m_sm90
+    from tools.sm90 import ptxas_usage
+    from tools.sm90_gluon import compile_small_m as compile_small_m_sm90
 
     for config in gluon_small_m.candidates(M, N, K, torch.bfloat16):
         compiled = compile_small_m_sm90(M, N, K, torch.bfloat16, config, "relu", True, pdl=pdl)
@@ -113,7 +113,7 @@ def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
 def test_weight_prefetch_is_issued_before_the_wait(M, N, K):
     # With prefetch_weight the first W tile's TMA copy goes out before griddepcontrol.wait; the
     # X copies, which read what the previous kernel wrote, only after it.
-    from fusedserve.kernels.gluon.sm90 import compile_small_m as compile_small_m_sm90
+    from tools.sm90_gluon import compile_small_m as compile_small_m_sm90
 
     for config in gluon_small_m.candidates(M, N, K, torch.bfloat16):
         where = f"M={M} N={N} K={K} {config}"

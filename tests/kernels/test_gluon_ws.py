@@ -220,7 +220,7 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import MockTensor
 
-    from fusedserve.kernels.sm90 import compile_sm90
+    from tools.sm90 import compile_sm90
 
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))
     meta = gluon_ws.kernel_meta(config, has_bias, activation, pdl)
@@ -232,7 +232,7 @@ def _compile(M, N, K, config, pdl, activation="relu", has_bias=True, dtype=torch
                                      (4096, 4096, 4096), (100, 136, 72)])
 @pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
-    from fusedserve.kernels.sm90 import ptxas_usage
+    from tools.sm90 import ptxas_usage
 
     for config in gluon_ws.candidates(M, N, K, torch.bfloat16):
         if config.get("PDL") is False:

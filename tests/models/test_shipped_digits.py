@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusedserve.models import DEFAULT_REPOSITORY, load_model, load_repository
-from fusedserve.models.train_digits import TRAINING_FILE, held_out_split
+from tools.train_digits import TRAINING_FILE, held_out_split
 
 DIGITS = DEFAULT_REPOSITORY / "digits"
 

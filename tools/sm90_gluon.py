@@ -1,4 +1,4 @@
-"""Compile each Gluon family's kernel for sm_90 without a GPU (through ``fusedserve.kernels.sm90``):
+"""Compile each Gluon family's kernel for sm_90 without a GPU (through ``tools.sm90``):
 what a launch on an H200 would build, from mock tensors. ``.asm["ptx"]``, ``.asm["ttgir"]`` and
 ``.metadata.shared`` of the result can be asserted on."""
 
@@ -8,7 +8,7 @@ import torch
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import MockTensor
 
-from fusedserve.kernels import sm90
+from tools import sm90
 from fusedserve.kernels.gluon import small_m, wgmma, ws
 
 

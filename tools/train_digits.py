@@ -4,7 +4,7 @@ Seeded and CPU-only (well under a minute). Holds out a stratified split, records
 accuracy with the settings that produced it in ``training.json`` and saves the model with
 ``save_model``, so the shipped weights can be rebuilt and their accuracy re-checked by the tests::
 
-    python -m fusedserve.models.train_digits           # writes models/repository/digits/
+    python -m tools.train_digits           # writes models/repository/digits/
 """
 
 from __future__ import annotations

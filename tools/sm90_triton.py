@@ -2,10 +2,10 @@
 
 The interpreter runs the kernels' Python, not the compiler, so it misses what only the compiler
 rejects (a non-constexpr global, a layout it cannot lower). This compiles each tuning candidate the
-way a launch on an H200 would, from mock tensors (through ``fusedserve.kernels.sm90``). Run
+way a launch on an H200 would, from mock tensors (through ``tools.sm90``). Run
 without ``TRITON_INTERPRET``:
 
-    python -m fusedserve.kernels.triton.sm90   # one line per compile; exit status 1 if any failed
+    python -m tools.sm90_triton   # from the repository root: one line per compile; exit status 1 if any failed
 """
 
 import sys
@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.precision import FP32_PRECISIONS
-from fusedserve.kernels.sm90 import compile_sm90
+from tools.sm90 import compile_sm90
 from fusedserve.kernels.triton import normalize, small_m, tiled, tma_persistent
 
 
