@@ -5,7 +5,7 @@ First, a family may claim a class of problems the others are measured to lose
 (``KernelFamily.provisional_first``: float32 with K off a multiple of 16 goes to the vendor's GEMM);
 it runs its first candidate there. Otherwise the choice comes from a table shipped in the package
 per GPU model and Triton version (``tables/<gpu>-triton-<version>.json``, built by
-``bench/provisional_table.py`` from the measured winners in ``bench/results/kernels_*.json``): the
+``tools/provisional_table.py`` from the measured winners in ``bench/results/kernels.jsonl``): the
 measured shape nearest to the problem (same dtype, among the families offered for it) names the
 family, and of that family's candidates for the problem the one closest to the measured config is
 taken. On a GPU or Triton version without a table, or where no measured family is offered, the
@@ -78,7 +78,7 @@ def table_path(device_name: str, triton_version: str, directory: Path = TABLES) 
 
 
 def read_table(path: Path) -> tuple[Entry, ...]:
-    """The entries of one table file (see ``bench/provisional_table.py`` for its format)."""
+    """The entries of one table file (see ``tools/provisional_table.py`` for its format)."""
     data = json.loads(Path(path).read_text())
     fields = data["fields"]
     return tuple(Entry(**dict(zip(fields, row))) for row in data["entries"])

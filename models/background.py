@@ -2,7 +2,7 @@
 while the runners serve, and swaps each result in between two batches (``ModelRunner.retune``).
 
 On CUDA the kernels are compiled and timed in a worker process per model
-(``models.tune_worker``): compiling holds the GIL for long stretches (bench/KERNELS.md), which in
+(``models.tune_worker``): compiling holds the GIL for long stretches (docs/kernels.md), which in
 this process would stall the batches. The worker fills the tune
 cache and Triton's cache and reports each bucket; this thread then reloads the tune cache and
 retunes the bucket from the caches (graphs captured, path timed, swapped). Where the worker fails,

@@ -24,7 +24,7 @@ from fusedserve.models.mlp import MLP, normalize_rows, reference_layer, run_laye
 CHOICE_ROUNDS, CHOICE_CALLS = 3, 10
 # Before timing, the fused path is taken for models this narrow at batches this small: on the H200
 # it won every bucket up to 512 rows of the 64-256-256-10 digits model, and lost every bucket of the
-# 1024- and 4096-wide ones (bench/results/model_h200.json).
+# 1024- and 4096-wide ones (bench/results/model.jsonl:2).
 PROVISIONAL_FUSED_MAX_WIDTH, PROVISIONAL_FUSED_MAX_ROWS = 512, 512
 
 

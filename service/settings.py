@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     # KServe v2 gRPC on the same host (Triton's default port); 0 turns gRPC off.
     grpc_port: int = Field(8001, ge=0, le=65535)
     # Front-end processes; 1 serves everything in one process, N > 1 adds one engine process
-    # (service.workers.supervisor). The default grows with the cores (README, "Processes").
+    # (service.workers.supervisor). The default grows with the cores (docs/architecture.md, "Processes").
     workers: int = Field(default_factory=default_workers, ge=1)
     model_repository: Path = Field(default_factory=_shipped_repository)
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:<index>"

@@ -9,7 +9,7 @@ partial sums (the programs sharing a W tile run together, so W comes from HBM ab
 brings W and X tiles into a ring of ``STAGES`` shared-memory slots, one mbarrier each: a few bulk
 copies keep ~150-200 KB in flight per SM. As a programmatic dependent launch it waits for the
 previous kernel before reading X; with ``prefetch_weight`` it reads just its first W tile before
-that wait (bench/KERNELS.md has the measurements behind these choices).
+that wait (docs/kernels.md has the measurements behind these choices).
 
 Split-K partial sums go to an fp32 workspace; the last split of each tile to arrive (a counter per
 tile) adds them in split order (deterministic) and applies bias and activation, in this launch.
@@ -80,7 +80,7 @@ def candidates(M, N, K, dtype):
     K, the shorter X tiles of ``_row_tiles`` at the two deepest tiles of ``_DEPTHS``. Where a grid
     has more programs than an H200 has SMs, each ring comes twice: sized so that two programs share
     an SM, and as deep as one program alone can have (the last wave then runs part full, which
-    still won at N=11008: bench/KERNELS.md)."""
+    still won at N=11008: docs/kernels.md)."""
     configs = []
     for i, bm in enumerate(_row_tiles(M, N)):
         for block_k, stages in _DEPTHS if i == 0 else _DEPTHS[:2]:

@@ -139,7 +139,7 @@ def candidates(M, N, K, dtype):
             stages -= 1
         configs.append(dict(config, STAGES=stages))
     # Where the tiles leave SMs idle, each config also without programmatic dependent launch: a
-    # dependent launch measured slower there at N=11008 (bench/KERNELS.md); the tuner decides.
+    # dependent launch measured slower there at N=11008 (docs/kernels.md); the tuner decides.
     configs += [dict(c, PDL=False) for c in configs
                 if triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]) < SMS]
     return configs

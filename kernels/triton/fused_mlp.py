@@ -101,7 +101,7 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = SMS) -> dict
     num_stages = 3
     if M <= 16:
         # 16x16 tiles 128 deep with 4 warps: the fastest or within 3% of it for every hidden
-        # layer timed (bench/fused_mlp_sweep.py on the H200: digits and mlp4x1024 at batch 8).
+        # layer timed (a sweep on the H200, docs/kernels.md: digits and mlp4x1024 at batch 8).
         block_m, block_n, block_k = 16, 16, 128
     elif M <= 64:
         block_m, block_n, block_k = 32, 32, 64
@@ -126,7 +126,7 @@ _FMA_ELEMENTS = 16384
 def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = SMS) -> list[dict]:
     """Tile configs ``tune_chain`` times for one layer (``fused_mlp_config`` first), at most 7.
     Up to 16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep
-    (``bench/fused_mlp_sweep.py``; 64 deep for a narrow K, 256 deep with 2 warps for the
+    (``docs/kernels.md``; 64 deep for a narrow K, 256 deep with 2 warps for the
     normalizing layer of a 1024-wide model) and FMA tiles as narrow as the batch. Past that, the
     tiles around the default and the wider ones that won single layers of the sweep at batch 64 and
     512 (up to 3x faster alone than the SM-filling default): alone they mispredict the chain (the

@@ -38,8 +38,8 @@ def block_m(M):
 # peels the first step off the loop and holds its tile apart.
 _SMEM_BUDGET = 200 * 1024
 
-# (BLOCK_N, BLOCK_K, num_stages) of the tensor-core variant, from bench/small_m_sweep.py (see
-# bench/KERNELS.md): with X^T 16..64 wide, 64-row W tiles won from M=4 to 64. fp32: only tiles that
+# (BLOCK_N, BLOCK_K, num_stages) of the tensor-core variant, from a tile sweep (see
+# docs/kernels.md): with X^T 16..64 wide, 64-row W tiles won from M=4 to 64. fp32: only tiles that
 # keep the accumulator in registers without spilling on sm_90.
 _TILES = ((64, 256, 3), (64, 128, 5), (32, 256, 4), (128, 128, 3))
 _FP32_TILES = ((32, 256, 4), (32, 128, 6))

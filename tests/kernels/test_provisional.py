@@ -19,7 +19,7 @@ def hopper(M, N=4096, K=4096, dtype=torch.bfloat16):
 
 def test_the_shipped_h200_table_names_current_candidates():
     entries = provisional.table(H200, "3.6.0")
-    assert len(entries) > 100, "the table is built from every H200 kernel run (bench/provisional_table.py)"
+    assert len(entries) > 100, "the table is built from every H200 kernel run (tools/provisional_table.py)"
     exact = 0
     for e in entries:
         problem = Problem(e.M, e.N, e.K, getattr(torch, e.dtype), (9, 0), True)
