@@ -57,13 +57,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench.load and the service import from the checkout
+from bench import runs  # noqa: E402
+from bench.h2_client import METHOD, STREAM_METHOD, raw_stream_client, raw_unary_client  # noqa: E402
 from bench.loadgen import IO_TIMEOUT_S, read_response, split  # noqa: E402
-from bench.h2_client import (METHOD, STREAM_METHOD, raw_stream_client,  # noqa: E402
-                             raw_unary_client)
 from bench.servers import ServerProcess, ServerSpec, free_port, fusedserve_spec  # noqa: E402
 from fusedserve.service.grpc.calls import length_prefixed  # noqa: E402
-
-from bench import runs  # noqa: E402
 
 MAX_CLIENTS = 256  # a bound on the load this script may generate
 SPREAD_START_S = 1.0  # load-generator processes start their clients together, this long after the run is handed out
@@ -243,8 +241,7 @@ def canned_server(port: int) -> None:
     """The floor: grpc.aio on the same stubs and event loop kind, answering one canned response."""
     import grpc
     import uvloop
-    from tritonclient.grpc import service_pb2 as pb
-    from tritonclient.grpc import service_pb2_grpc
+    from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
 
     answer = pb.ModelInferResponse(model_name="digits", model_version="1", outputs=[
         pb.ModelInferResponse.InferOutputTensor(name="output", datatype="FP32", shape=[1, 10])],

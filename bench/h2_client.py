@@ -14,9 +14,24 @@ from hpack.exceptions import HPACKError
 
 from bench.loadgen import IO_TIMEOUT_S
 from fusedserve.service.grpc.calls import literal
-from fusedserve.service.grpc.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
-                                        PADDED, PING, PREFACE, RST_STREAM, SETTINGS, WINDOW_UPDATE, WITH_PRIORITY,
-                                        changes_table, frame)
+from fusedserve.service.grpc.h2_wire import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PADDED,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    WITH_PRIORITY,
+    changes_table,
+    frame,
+)
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"

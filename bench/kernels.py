@@ -39,12 +39,19 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench import runs  # noqa: E402
+from bench.kernel_random import (  # noqa: E402
+    describe_provisional,
+    draw_shapes,
+    peer_summary,
+    plot_ratios,
+    print_summaries,
+    provisional_linear,
+    provisional_summary,
+)
 from fusedserve.kernels import KERNELS, fused_linear, kernel_choice, run_kernel, tune_cache  # noqa: E402  (sys.path)
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.precision import dot_precision  # noqa: E402
-from bench import runs  # noqa: E402
-from bench.kernel_random import (describe_provisional, draw_shapes, peer_summary, plot_ratios, print_summaries,  # noqa: E402
-                                 provisional_linear, provisional_summary)
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))

@@ -58,11 +58,10 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench import runs
 from fusedserve.kernels.device import gc_paused
 from fusedserve.kernels.precision import dot_precision
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model
-
-from bench import runs
 
 MODELS = ("digits", "mlp4x1024", "mlp4x4096")
 BATCHES = (1, 8, 64, 512, 4096)

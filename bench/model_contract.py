@@ -34,12 +34,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench import runs  # noqa: E402
 from fusedserve.kernels import tune_cache  # noqa: E402
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.rules import bucket as bucket_of  # noqa: E402
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model  # noqa: E402
-
-from bench import runs  # noqa: E402
 
 # (name, in, hidden, out, dtype): issue 23's two models, the shipped digits, and other widths and
 # depths in each dtype.

@@ -43,9 +43,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, load_model, save_model  # noqa: E402
-
 from bench import runs  # noqa: E402
+from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, load_model, save_model  # noqa: E402
 
 READY_TARGET_S = {"empty": 20.0, "warm": 10.0}  # by Triton cache state; the tune cache is empty in every run
 BIG = ("mlp4x2048", 2048, "bfloat16")

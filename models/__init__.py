@@ -1,10 +1,17 @@
 """MLP models built from fused linear layers: definition, loading, running, the shipped repository."""
 
-from fusedserve.models.loading import DEFAULT_REPOSITORY, latest_version, load_model, load_repository, model_directories, save_model
-from fusedserve.models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
 from fusedserve.kernels.rules import batch_buckets
-from fusedserve.models.runner import ModelRunner
+from fusedserve.models.loading import (
+    DEFAULT_REPOSITORY,
+    latest_version,
+    load_model,
+    load_repository,
+    model_directories,
+    save_model,
+)
+from fusedserve.models.mlp import BACKENDS, DTYPES, MLP, FusedLinear, MLPConfig
 from fusedserve.models.precompile import warm_up
+from fusedserve.models.runner import ModelRunner
 
 __all__ = [
     "BACKENDS",

@@ -12,15 +12,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from fusedserve.service.engine.client import Engine, LocalEngine
+from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.http.hotpath import HotPath, route
 from fusedserve.service.http.middleware import RequestIdMiddleware, RequestIds
-from fusedserve.service.workers.remote import RemoteEngine
 from fusedserve.service.http.routes import dashboard, health, infer, metrics, model_stats, repository, stats, v2
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
-from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.stats.sinks import LayerSinks
+from fusedserve.service.workers.remote import RemoteEngine
 
 log = logging.getLogger("fusedserve")
 

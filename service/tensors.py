@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fusedserve.service.errors import BadInput, UnknownModel
 from fusedserve.service.engine.state import ModelInfo
+from fusedserve.service.errors import BadInput, UnknownModel
 
 SERVER_NAME, SERVER_VERSION = "fusedserve", "0.1.0"
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_repository")

@@ -8,8 +8,8 @@ import torch
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import MockTensor
 
-from tools import sm90
 from fusedserve.kernels.gluon import small_m, wgmma, ws
+from tools import sm90
 
 
 def _mocks(M, N, K, dtype):

@@ -18,8 +18,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.precision import FP32_PRECISIONS
-from tools.sm90 import compile_sm90
 from fusedserve.kernels.triton import normalize, small_m, tiled, tma_persistent
+from tools.sm90 import compile_sm90
 
 
 def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, precision="ieee"):

@@ -31,10 +31,9 @@ import numpy as np
 import torch
 
 from fusedserve.kernels import rules
-from fusedserve.service.errors import BatchFailed, NonFiniteOutput, NotReady, redact_paths
 from fusedserve.service.engine.queue import Pending, RequestQueue
 from fusedserve.service.engine.waiting import wait_answer
-
+from fusedserve.service.errors import BatchFailed, NonFiniteOutput, NotReady, redact_paths
 
 log = logging.getLogger(__name__)
 

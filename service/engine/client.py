@@ -16,13 +16,12 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
-
 from prometheus_client import generate_latest
 
-from fusedserve.service.errors import ServiceError
-from fusedserve.service.stats.model_stats import snapshot
 from fusedserve.service.engine.state import ModelInfo, ServiceState
 from fusedserve.service.engine.waiting import deadline
+from fusedserve.service.errors import ServiceError
+from fusedserve.service.stats.model_stats import snapshot
 
 
 class Engine(Protocol):

@@ -11,9 +11,9 @@ import logging
 import os
 
 from fusedserve.service.engine.batcher import Batcher
+from fusedserve.service.engine.state import LOAD_FAILED, UNLOADED, WARMUP_FAILED, ModelInfo, ServiceState
 from fusedserve.service.errors import LoadFailed, NotReady, redact_paths
 from fusedserve.service.settings import Settings
-from fusedserve.service.engine.state import LOAD_FAILED, UNLOADED, WARMUP_FAILED, ModelInfo, ServiceState
 
 log = logging.getLogger("fusedserve")
 

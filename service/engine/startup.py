@@ -9,8 +9,8 @@ import logging
 import time
 
 from fusedserve.service.engine.model_control import load_runner, reason, start_batcher
-from fusedserve.service.settings import Settings
 from fusedserve.service.engine.state import LOAD_FAILED, WARMUP_FAILED, ServiceState
+from fusedserve.service.settings import Settings
 
 log = logging.getLogger("fusedserve")
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from fusedserve.service.errors import BadInput, NotReady, UnknownModel
-from fusedserve.service.stats.metrics import Metrics
 from fusedserve.service.settings import Settings
+from fusedserve.service.stats.metrics import Metrics
 from fusedserve.service.stats.service_stats import ServiceStats
 
 if TYPE_CHECKING:  # torch: only the process that runs the models imports it

@@ -8,14 +8,13 @@ from __future__ import annotations
 import logging
 import time
 
-from fusedserve.service.errors import ServiceError, log_unexpected
-from fusedserve.service.http.inference import TIMEOUT_HEADER, run_rows, timeout_s
-from fusedserve.service.http.codec import dump_json, read_asgi_body
-from fusedserve.service.http.middleware import GONE, INTERNAL_ERROR, REQUESTS, RequestIds, answer_headers, log_access
-from fusedserve.service.http.routes import infer as infer_route
-from fusedserve.service.http.routes import v2
-from fusedserve.service.security import WANTED, Guard
 from fusedserve.service.engine.state import ServiceState
+from fusedserve.service.errors import ServiceError, log_unexpected
+from fusedserve.service.http.codec import dump_json, read_asgi_body
+from fusedserve.service.http.inference import TIMEOUT_HEADER, run_rows, timeout_s
+from fusedserve.service.http.middleware import GONE, INTERNAL_ERROR, REQUESTS, RequestIds, answer_headers, log_access
+from fusedserve.service.http.routes import infer as infer_route, v2
+from fusedserve.service.security import WANTED, Guard
 
 log = logging.getLogger("fusedserve")
 _JSON, _V2_PREFIX, _V2_SUFFIX = b"application/json", "/v2/models/", "/infer"

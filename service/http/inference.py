@@ -9,8 +9,8 @@ import numpy as np
 from fastapi import Request
 
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.errors import BadInput
 from fusedserve.service.engine.state import ServiceState
+from fusedserve.service.errors import BadInput
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 

@@ -16,9 +16,9 @@ import signal
 import uvicorn
 
 from fusedserve.service.connections import connection_cap
+from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.http.connection import Limits, protocol_class
 from fusedserve.service.settings import Settings
-from fusedserve.service.engine.state import ServiceState
 
 log = logging.getLogger("fusedserve")
 _POLL_S = 0.05  # how often the drain looks whether every connection is gone

@@ -18,13 +18,13 @@ import signal
 from collections.abc import Callable
 
 from fusedserve.service.engine import startup
-from fusedserve.service.workers import wire
 from fusedserve.service.engine.client import LocalEngine
+from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.errors import ClientGone, NotReady, ServiceError
 from fusedserve.service.logs import configure
 from fusedserve.service.settings import Settings
 from fusedserve.service.stats.sinks import LayerSinks
-from fusedserve.service.engine.state import ServiceState
+from fusedserve.service.workers import wire
 from fusedserve.service.workers.supervisor import HEARTBEAT_S, until_orphaned
 
 log = logging.getLogger("fusedserve")

@@ -11,10 +11,9 @@ import os
 import signal
 import socket
 
-
 from fusedserve.service.app import create_app
-from fusedserve.service.logs import configure
 from fusedserve.service.http.server import DrainingServer, stop_accepting, uvicorn_config
+from fusedserve.service.logs import configure
 from fusedserve.service.settings import Settings
 from fusedserve.service.workers.supervisor import until_orphaned
 

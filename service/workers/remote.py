@@ -22,11 +22,11 @@ from collections.abc import Mapping
 import numpy as np
 import orjson
 
-from fusedserve.service.workers import wire
-from fusedserve.service.errors import NotReady
 from fusedserve.service.engine.state import ModelInfo, ServiceState, pick_model
-from fusedserve.service.workers.supervisor import HEARTBEAT_S
 from fusedserve.service.engine.waiting import wait_answer
+from fusedserve.service.errors import NotReady
+from fusedserve.service.workers import wire
+from fusedserve.service.workers.supervisor import HEARTBEAT_S
 
 log = logging.getLogger("fusedserve")
 RECONNECT_S = 0.05  # between attempts to reach the engine process

@@ -13,11 +13,24 @@ from tritonclient.grpc import service_pb2 as pb
 
 from bench.grpc_load import CannedProcess, drive_raw, drive_spread, grpc_requests, http_requests, rows, summarize
 from bench.h2_client import H2Connection, request_block
-from fusedserve.service.grpc.calls import length_prefixed
-from fusedserve.service.grpc.h2_wire import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, HEADERS, PADDED, PING,
-                                        SETTINGS, WINDOW_UPDATE, changes_table, frame, hpack_int)
-from fusedserve.service.grpc import codec as grpc_codec
 from fusedserve.service.engine.state import ModelInfo
+from fusedserve.service.grpc import codec as grpc_codec
+from fusedserve.service.grpc.calls import length_prefixed
+from fusedserve.service.grpc.h2_wire import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    PADDED,
+    PING,
+    SETTINGS,
+    WINDOW_UPDATE,
+    changes_table,
+    frame,
+    hpack_int,
+)
 
 DIGITS = ModelInfo("digits", 64, 10, "float32", "torch", "cpu")
 

@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 
 from bench.load_profile import area, parse_stacks, summarize_by_process, summarize_stacks, thread_split, thread_ticks
-from bench.servers import (ServerProcess, ServerSpec, default_servers, parse_server, read_procs, settled, stat_fields,
-                           tree)
+from bench.servers import (
+    ServerProcess,
+    ServerSpec,
+    default_servers,
+    parse_server,
+    read_procs,
+    settled,
+    stat_fields,
+    tree,
+)
 
 
 def test_default_servers_are_issue_22s_peers_and_fusedserve_takes_extra_flags():

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, save_model
-from tools.train_digits import TRAINING_FILE, held_out_split
 from fusedserve.service.settings import Settings
+from tools.train_digits import TRAINING_FILE, held_out_split
 
 IMAGE = os.environ.get("FUSEDSERVE_TEST_IMAGE")
 pytestmark = pytest.mark.skipif(not IMAGE, reason="make container-test builds the image and names it here")

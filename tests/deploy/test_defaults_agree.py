@@ -10,8 +10,8 @@ import yaml
 from prometheus_client import generate_latest
 
 from fusedserve.service.app import create_app
-from fusedserve.service.stats.metrics import Metrics
 from fusedserve.service.settings import Settings
+from fusedserve.service.stats.metrics import Metrics
 
 from .manifests import DEPLOY, image, load, needs_kubectl, one, render
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fusedserve.kernels import fused_linear, kernel_choice, timers
-from fusedserve.kernels.triton import small_m, tiled, tma_persistent
 from fusedserve.kernels.precision import FP32_PRECISION_ENV, FP32_PRECISIONS
+from fusedserve.kernels.triton import small_m, tiled, tma_persistent
 
 from .conftest import check_layers_in_cuda_graph, make
 

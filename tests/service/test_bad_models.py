@@ -5,8 +5,8 @@ why it is not ready (v2 ready and metadata routes, /metrics)."""
 import grpc
 import httpx
 import pytest
-from tritonclient.grpc import service_pb2 as pb
 from safetensors.torch import load_file, save_file
+from tritonclient.grpc import service_pb2 as pb
 
 from fusedserve import models
 from fusedserve.service.app import create_app

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tools.dashboard_shot import browser_paths, capture, chrome, full_page_png, replay
 from fusedserve.service.stats.peaks import gpu_peaks
+from tools.dashboard_shot import browser_paths, capture, chrome, full_page_png, replay
 
 from .conftest import Server, write_repository
 

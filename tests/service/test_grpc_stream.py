@@ -14,7 +14,6 @@ from .conftest import IN, OUT, _close, _serve, reference
 from .test_grpc import ATOL, ROWS, RTOL, _hold_next_batch, raw_request
 
 
-
 def _inputs(x: np.ndarray) -> list:
     tensor = triton_grpc.InferInput("input", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)

@@ -73,8 +73,7 @@ def test_routes(path, want):
 async def test_a_request_alone_on_the_server_does_not_wait_for_others(client, monkeypatch, others, alone):
     # The HTTP protocol puts the server's requests in progress in the scope (middleware.REQUESTS);
     # a request alone there tells the engine so, and its batch need not wait a turn for others.
-    from fusedserve.service.http.middleware import GONE
-    from fusedserve.service.http.middleware import REQUESTS as IN_PROGRESS
+    from fusedserve.service.http.middleware import GONE, REQUESTS as IN_PROGRESS
 
     engine, seen = client.app.state.engine, []
     real = engine.infer

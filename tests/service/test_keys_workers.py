@@ -7,8 +7,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
 
 from .conftest import Server, write_repository
 from .test_grpc import ROWS, raw_request

@@ -10,8 +10,9 @@ import re
 
 import httpx
 import pytest
-from fusedserve import models
 import torch
+
+from fusedserve import models
 
 from .conftest import Server
 

@@ -5,8 +5,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from fusedserve.service.errors import QueueFull
 from fusedserve.service.engine.queue import RequestQueue
+from fusedserve.service.errors import QueueFull
 
 
 def rows(n):

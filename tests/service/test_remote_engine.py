@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from fusedserve.service.engine.batcher import Batcher
-from fusedserve.service.workers.engine_process import Connection, EngineServer
-from fusedserve.service.workers import remote as remote_module
-from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NotReady
-from fusedserve.service.workers.remote import RemoteEngine
-from fusedserve.service.settings import Settings
 from fusedserve.service.engine.state import ModelInfo, ServiceState
+from fusedserve.service.errors import BatchFailed, ClientGone, DeadlineExceeded, NotReady
+from fusedserve.service.settings import Settings
+from fusedserve.service.workers import remote as remote_module
+from fusedserve.service.workers.engine_process import Connection, EngineServer
+from fusedserve.service.workers.remote import RemoteEngine
 
 ROW = np.array([[0.5, -1.0, 2.0]], dtype=np.float32)
 

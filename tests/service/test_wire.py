@@ -4,8 +4,8 @@ stream cuts them: rows and outputs bit-exact, errors back as their own class."""
 import numpy as np
 import pytest
 
-from fusedserve.service.workers import wire
 from fusedserve.service.errors import BadInput, QueueFull
+from fusedserve.service.workers import wire
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])

@@ -8,10 +8,10 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.errors import BadInput
-from fusedserve.service.http.inference import infer
-from fusedserve.service.http.codec import check_rows, dump_json, parse_json, read_body, rows_from_json, simd_rows
 from fusedserve.service.engine.state import ModelInfo, ServiceState, get_state
+from fusedserve.service.errors import BadInput
+from fusedserve.service.http.codec import check_rows, dump_json, parse_json, read_body, rows_from_json, simd_rows
+from fusedserve.service.http.inference import infer
 
 router = APIRouter(tags=["inference"])
 

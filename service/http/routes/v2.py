@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from fusedserve.service import tensors
-from fusedserve.service.errors import BadInput
-from fusedserve.service.http.inference import infer
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.http.codec import as_array, check_rows, dump_json, parse_json, read_body
 from fusedserve.service.engine.state import ModelInfo, ServiceState, get_engine, get_state
+from fusedserve.service.errors import BadInput
+from fusedserve.service.http.codec import as_array, check_rows, dump_json, parse_json, read_body
+from fusedserve.service.http.inference import infer
 from fusedserve.service.tensors import OUTPUT
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
