@@ -82,7 +82,7 @@ class Method:
     """A gRPC method: how its request parses, and its handler. A unary handler takes (request,
     context) and returns the response; a streaming one takes (request iterator, context) and
     yields one response per request (the iterator holds back requests while too many are
-    unanswered: service.grpc.h2.Limits)."""
+    unanswered: service.grpc.h2_limits.Limits)."""
     name: str
     parse: Callable[[bytes], object]
     handler: Callable

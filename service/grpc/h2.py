@@ -1,108 +1,57 @@
-"""gRPC's HTTP/2, served by us: one asyncio protocol per connection reads frames, keeps both
-directions' flow-control windows, decodes header blocks (``hpack``) and runs each call
-(``service.grpc.calls``) in a task; what a turn of the event loop answers goes out in one write.
+"""gRPC's HTTP/2, served by us: one asyncio protocol per connection reads frames (``h2_frames``),
+keeps both directions' flow-control windows, decodes header blocks (``hpack``) and runs each call
+(``service.grpc.calls``) in a task; what a turn of the event loop answers goes out in one write. This
+module is the streams: header blocks open calls, DATA brings their messages in within the windows we
+give, and their answers go out as the client's windows allow.
 
 What a gRPC server needs of RFC 9113 is here: SETTINGS, PING, GOAWAY (sent on drain, refused
 streams after it), RST_STREAM (cancels the call), HEADERS with CONTINUATION, padding and priority,
 flow control on every DATA frame both ways, and frame and header-list limits. Not here: server
 push, TLS (clients speak HTTP/2 with prior knowledge, as gRPC does without TLS), message encodings
-other than gzip and deflate (answered UNIMPLEMENTED).
-
-What a client can make a connection hold is bounded (``Limits``, and the constants below after
-nghttp2's and Envoy's defaults): requests in flight (reading pauses at the cap), the receive windows
-(DATA beyond them is a connection error; a stream's window comes back as its handler takes its
-messages), bytes written and not yet sent (reading pauses past a high-water mark, a client that lets
-them pass a hard bound is cut off), work per event-loop turn, and floods of control frames, empty
-frames and CONTINUATIONs (GOAWAY ENHANCE_YOUR_CALM)."""
+other than gzip and deflate (answered UNIMPLEMENTED). What a client can make a connection hold is
+bounded: ``h2_limits``."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import struct
 from collections import deque
-from dataclasses import dataclass
 
 from hpack import Decoder
 from hpack.exceptions import HPACKError
 
 from fusedserve.service.grpc import calls
-from fusedserve.service.grpc.h2_wire import (ACK, CONTINUATION, DATA, DEFAULT_WINDOW, END_HEADERS, END_STREAM,
-                                        ENHANCE_YOUR_CALM, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE,
-                                        MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE, MAX_WINDOW,
-                                        NO_ERROR, PADDED, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE,
-                                        REFUSED_STREAM, RST_STREAM, SETTINGS, U32, WINDOW_UPDATE, WITH_PRIORITY,
-                                        COMPRESSION_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, changes_table,
-                                        frame)
+from fusedserve.service.grpc.h2_frames import FrameConnection, H2Error
+from fusedserve.service.grpc.h2_limits import (
+    CONTINUATIONS,
+    HELD_CHECK,
+    HELD_MESSAGES,
+    MAX_HEADER_LIST,
+    MAX_STREAMS,
+    OPENED_CACHE,
+    RECENT_IDS,
+    RECV_WINDOW,
+    WRITE_HARD,
+)
+from fusedserve.service.grpc.h2_wire import (
+    COMPRESSION_ERROR,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    HEADERS,
+    NO_ERROR,
+    PROTOCOL_ERROR,
+    REFUSED_STREAM,
+    RST_STREAM,
+    U32,
+    WINDOW_UPDATE,
+    WITH_PRIORITY,
+    changes_table,
+    frame,
+)
 
-log = logging.getLogger("fusedserve")
-
-FRAME_LIMIT = 16384  # the largest frame we accept: the protocol's default, never raised
-RECV_WINDOW = 1 << 24  # what a client may send on the connection, and at least on each stream, unread by us
-MAX_STREAMS = 1024  # calls open at once on one connection
-MAX_HEADER_LIST = 1 << 16
-# The window we give back as we read lets a client start many large requests at once: a connection
-# holds at most this many largest messages unfinished (checked once one stream holds HELD_CHECK bytes).
-HELD_MESSAGES, HELD_CHECK = 8, 1 << 16
-OPENED_CACHE = 64  # header blocks remembered per connection (a client sends the same few again and again)
-# Stream ids remembered: those opened among the last this many ids. HEADERS on one is late trailers;
-# on any other id below the highest opened, an error.
-RECENT_IDS = 2 * MAX_STREAMS
-# Frames (or bytes) one connection's reads are handled in per event-loop turn, the rest on later turns
-# with reading paused: a megabyte read cannot hold the loop from every other connection.
-SLICE_FRAMES, SLICE_BYTES = 256, 1 << 16
-# Floods, answered GOAWAY ENHANCE_YOUR_CALM:
-EMPTY_FRAMES = 1  # DATA/HEADERS/CONTINUATION frames in a row with nothing in them, no END_STREAM (Envoy: 1)
-CONTINUATIONS = 8  # CONTINUATION frames in one header block (nghttp2: 8); 64 KiB of headers needs 4
-SETTINGS_ENTRIES = 32  # entries in one SETTINGS frame (nghttp2: 32); gRPC clients send a handful
-# PINGs, SETTINGS, RST_STREAMs and streams refused without a call each draw from a token bucket this
-# deep, refilled this many a second: nghttp2's RST_STREAM rate limit (1000, 33/s), applied to each.
-FLOOD_BURST, FLOOD_RATE = 1000, 33.0
-# Frames that ask nothing of us (PRIORITY, unknown types, ACKs we did not ask for, GOAWAYs, header
-# blocks on closed streams) past this many per stream the client opened (Envoy's PRIORITY limit, 100),
-# and WINDOW_UPDATEs past this many per DATA frame we sent or stream opened (Envoy's, 10).
-IDLE_PER_STREAM, WINDOW_UPDATES_PER_DATA = 100, 10
-# Bytes unsent, in the transport or held for the client's window, past this many high-water marks:
-# the client is not reading (the transport's: cut off; held: new streams refused).
-WRITE_HARD = 16
-CLOSE_LINGER_S = 5.0  # a closed connection whose client reads nothing more is aborted after this long
 NOT_GRPC = b"\x00\x07:status\x03415"  # the answer to a request that is no gRPC call
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one client may make its connection hold; Settings' grpc_* fields give the defaults and why."""
-    calls_per_connection: int  # requests in flight (handlers running, stream requests unanswered)
-    calls_per_stream: int  # a streaming call's requests taken by its handler and not yet answered
-    write_buffer_bytes: int  # the transport's high-water mark
-    queued_control_frames: int  # PING/SETTINGS ACKs and RST_STREAMs written and not yet sent
-
-    @classmethod
-    def of(cls, settings) -> Limits:
-        return cls(settings.grpc_calls_per_connection, settings.grpc_calls_per_stream,
-                   settings.grpc_write_buffer_bytes, settings.grpc_max_queued_control_frames)
-
-
-class Bucket:
-    """A token bucket for one kind of frame a flood is made of (FLOOD_BURST, FLOOD_RATE)."""
-
-    __slots__ = ("tokens", "stamp")
-
-    def __init__(self, now: float):
-        self.tokens, self.stamp = float(FLOOD_BURST), now
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(float(FLOOD_BURST), self.tokens + (now - self.stamp) * FLOOD_RATE) - 1
-        self.stamp = now
-        return self.tokens >= 0
-
-
-class H2Error(Exception):
-    """A connection error: answered with GOAWAY and the connection closed."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 class Stream:
@@ -131,341 +80,31 @@ class Stream:
         self.remote_closed = False
 
 
-class Connection(asyncio.Protocol):
-    """One client's HTTP/2 connection. ``server`` (service.grpc.server.GrpcServer) holds the methods by
-    path, ``refuse``, ``max_message``, the connections' ``limits``, whether it is ``draining`` and its
-    open ``connections``."""
+class Connection(FrameConnection):
+    """One client's HTTP/2 connection: its frames (``FrameConnection``) and its streams, each a gRPC
+    call run by ``service.grpc.calls``; ``server`` also holds the methods by path and ``refuse``."""
 
     def __init__(self, server):
-        self.server = server
-        self.transport: asyncio.Transport | None = None
-        self.loop = asyncio.get_running_loop()
-        self.buffer = bytearray()
-        self.preface = False
+        super().__init__(server)
         self.decoder = Decoder()
         self.decoder.max_header_list_size = MAX_HEADER_LIST
-        self.streams: dict[int, Stream] = {}
-        self.last_id = 0  # the highest stream the client opened
-        self.goaway_id: int | None = None  # once GOAWAY is sent: streams above it are refused
-        self.send_window = DEFAULT_WINDOW
-        self.peer_window = DEFAULT_WINDOW  # the client's initial window for each new stream
-        self.peer_frame = FRAME_LIMIT
-        self.unread = 0  # bytes received since the last connection WINDOW_UPDATE
-        # A header block awaiting CONTINUATION: its stream, flags, bytes so far and [CONTINUATIONs so far].
-        self.block: tuple[int, int, bytearray, list[int]] | None = None
         self.opened: dict[bytes, tuple] = {}  # header block -> open_call's answer, while the table holds
         self.blocked: dict[int, Stream] = {}  # streams with data waiting for a window
-        self.failed = False  # a connection error was answered: nothing more is read
-        self._out: list[bytes] = []
-        self.limits: Limits = server.limits
-        # A stream's window comes back only as its handler takes whole messages: it must hold the largest.
-        self.stream_window = min(MAX_WINDOW, max(RECV_WINDOW, server.max_message + 5))
         self.check_at = min(HELD_CHECK, server.max_message + 5)  # a stream holding more is checked (_fits)
-        self.recv_window = RECV_WINDOW  # what the client may still send on the connection
         self.recent: set[int] = set()  # the stream ids opened lately (RECENT_IDS)
-        self.in_flight = 0  # requests in flight: unary handlers running, stream requests unanswered
-        self.scheduled = False  # a later turn handles the rest of what was read
-        self.reading = True
-        self.writes_paused = False  # the transport's buffer passed its high-water mark
-        self.control_queued = 0  # control frames written since the socket last took all we wrote
-        self.empty = 0  # frames in a row that carried nothing
-        self.buckets: dict[str, Bucket] = {}
-        self.opened_total = self.data_sent = 0  # streams the client opened, DATA frames we sent
-        self.idle_frames = self.window_updates = 0  # frames that asked nothing of us; WINDOW_UPDATEs
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.watch = None  # what service.connections' timers know of this connection
-        policy = getattr(self.server, "policy", None)  # a test's stand-in server may have none
-        if policy is not None and not policy.admit(self):  # over the cap or the descriptor budget
-            self.failed = True
-            return
-        self.server.connections.add(self)
-        transport.set_write_buffer_limits(high=self.limits.write_buffer_bytes)
-        settings = b"".join(struct.pack(">HI", key, value) for key, value in (
-            (MAX_CONCURRENT_STREAMS, MAX_STREAMS), (INITIAL_WINDOW_SIZE, self.stream_window),
-            (MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
-        self.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, U32.pack(RECV_WINDOW - DEFAULT_WINDOW)))
-        if self.server.draining:
-            self.go_away()
 
     def connection_lost(self, exc) -> None:
-        self.server.connections.discard(self)
-        for stream in self.streams.values():
-            self._cancel(stream)
-        self.streams.clear()
-        self.transport = None
-
-    def write(self, data: bytes, control: bool = False) -> None:
-        """Queue ``data`` (a ``control`` frame: an ACK or a reset the client's frames called for);
-        everything queued in one event-loop turn goes out in one write."""
-        if not self._out:
-            self.loop.call_soon(self._flush)
-        self._out.append(data)
-        self.control_queued += control
-
-    def _flush(self) -> None:
-        transport = self.transport
-        if transport is not None and not transport.is_closing() and self._out:
-            transport.write(b"".join(self._out))
-            unsent = transport.get_write_buffer_size()
-            if not unsent:
-                self.control_queued = 0
-            elif unsent > WRITE_HARD * self.limits.write_buffer_bytes:
-                log.info("gRPC connection cut off: %d bytes written to it are unsent (the client reads nothing)",
-                         unsent)
-                transport.abort()
-        self._out.clear()
-        if self.goaway_id is not None and not self.streams:
-            self.close()
-
-    def pause_writing(self) -> None:
-        self.writes_paused = True
-        self._reading()
-
-    def resume_writing(self) -> None:
-        self.writes_paused = False
-        self._unblock()
-
-    def go_away(self) -> None:
-        """Say no stream after the last one opened will be served; close once those are answered."""
-        if self.goaway_id is None:
-            self.goaway_id = self.last_id
-            self.write(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_id, NO_ERROR)))
-
-    def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            if self._out:
-                self.transport.write(b"".join(self._out))
-                self._out.clear()
-            self.transport.close()
-            self.loop.call_later(CLOSE_LINGER_S, self._abort)
-
-    def _abort(self) -> None:
-        if self.transport is not None:  # still unsent: connection_lost has not come
-            self.transport.abort()
+        self._cancel_all()
+        super().connection_lost(exc)
 
     def _fail(self, error: H2Error) -> None:
-        log.info("gRPC connection closed: %s", error)
-        self.failed = True
-        self.write(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_id, error.code) + str(error).encode()[:256]))
-        self.goaway_id = self.last_id
+        super()._fail(error)
+        self._cancel_all()
+
+    def _cancel_all(self) -> None:
         for stream in list(self.streams.values()):
             self._cancel(stream)
         self.streams.clear()
-        self.buffer.clear()
-
-    def data_received(self, data: bytes) -> None:
-        if self.watch is not None and not self.watch.greeted:  # the handshake deadline's clock
-            self.watch.greet(data)
-        if self.failed:
-            return
-        self.buffer += data
-        if not self.scheduled:
-            self._work()
-
-    def _work(self) -> None:
-        """Handle one slice of what was read; the rest on a later turn, reading paused till then."""
-        self.scheduled = False
-        if self.failed or self.transport is None:
-            return
-        try:
-            if self.preface or self._preface():
-                self._frames()
-        except H2Error as error:
-            self._fail(error)
-            return
-        self._reading()
-
-    def _preface(self) -> bool:
-        buffer = self.buffer
-        if buffer[:len(PREFACE)] != PREFACE[:len(buffer)]:
-            raise H2Error(PROTOCOL_ERROR, "not an HTTP/2 client preface")
-        if len(buffer) < len(PREFACE):
-            return False
-        del buffer[:len(PREFACE)]
-        self.preface = True
-        return True
-
-    def _frames(self) -> None:
-        buffer, pos, handled, cap = self.buffer, 0, 0, self.limits.calls_per_connection
-        try:
-            while len(buffer) - pos >= 9 and not self.writes_paused and self.in_flight < cap:  # _held(), inlined
-                if handled == SLICE_FRAMES or pos >= SLICE_BYTES:
-                    self.scheduled = True
-                    self.loop.call_soon(self._work)
-                    return
-                length = (buffer[pos] << 16) | (buffer[pos + 1] << 8) | buffer[pos + 2]
-                if length > FRAME_LIMIT:
-                    raise H2Error(FRAME_SIZE_ERROR, f"a frame of {length} bytes; the limit is {FRAME_LIMIT}")
-                if len(buffer) - pos < 9 + length:
-                    return
-                kind, flags = buffer[pos + 3], buffer[pos + 4]
-                stream_id = U32.unpack_from(buffer, pos + 5)[0] & 0x7FFFFFFF
-                payload = bytes(buffer[pos + 9:pos + 9 + length])
-                pos += 9 + length
-                handled += 1
-                self._frame(kind, flags, stream_id, payload)
-                if self.control_queued > self.limits.queued_control_frames:
-                    raise H2Error(ENHANCE_YOUR_CALM, f"more than {self.limits.queued_control_frames} control frames "
-                                                     "queued unsent: read what the server writes")
-        finally:
-            del buffer[:pos]
-
-    def _held(self) -> bool:
-        """Whether frames wait: the client reads too little of what we write, or holds its cap of calls."""
-        return self.writes_paused or self.in_flight >= self.limits.calls_per_connection
-
-    def _reading(self) -> None:
-        """Read from the client only while nothing read waits to be handled."""
-        want = not (self.scheduled or self._held())
-        transport = self.transport
-        if want != self.reading and transport is not None and not transport.is_closing():
-            self.reading = want
-            (transport.resume_reading if want else transport.pause_reading)()
-
-    def _unblock(self) -> None:
-        """Go on with what was read, once nothing holds it: wake the streams the cap held, handle the rest."""
-        if self._held() or self.transport is None or self.failed:
-            return
-        for stream in self.streams.values():
-            self._wake(stream)
-        if self.buffer and not self.scheduled:
-            self.scheduled = True
-            self.loop.call_soon(self._work)
-        self._reading()
-
-    def _answered(self, n: int) -> None:
-        """``n`` requests in flight were answered (or dropped)."""
-        held = self.in_flight >= self.limits.calls_per_connection
-        self.in_flight -= n
-        if held and n:
-            self._unblock()
-
-    def _flood(self, kind: str) -> None:
-        """Draw one ``kind`` (PINGs, ...) from its bucket: none left is a flood."""
-        now = self.loop.time()
-        bucket = self.buckets.get(kind)
-        if bucket is None:
-            bucket = self.buckets[kind] = Bucket(now)
-        if not bucket.take(now):
-            raise H2Error(ENHANCE_YOUR_CALM, f"more than {FLOOD_BURST} {kind}, {FLOOD_RATE:g} a second after that")
-
-    def _idle(self) -> None:
-        """One more frame that asks nothing of us."""
-        self.idle_frames += 1
-        if self.idle_frames > IDLE_PER_STREAM * (1 + self.opened_total):
-            raise H2Error(ENHANCE_YOUR_CALM, f"more than {IDLE_PER_STREAM} frames that ask nothing per stream opened")
-
-    def _count_empty(self, empty: bool) -> None:
-        if not empty:
-            self.empty = 0
-            return
-        self.empty += 1
-        if self.empty > EMPTY_FRAMES:
-            raise H2Error(ENHANCE_YOUR_CALM, f"{self.empty} frames in a row with nothing in them")
-
-    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if self.block is not None and (kind != CONTINUATION or stream_id != self.block[0]):
-            raise H2Error(PROTOCOL_ERROR, "a header block was interrupted by another frame")
-        if kind == DATA:
-            self._data(flags, stream_id, payload)
-        elif kind == HEADERS:
-            self._headers(flags, stream_id, payload)
-        elif kind == CONTINUATION:
-            self._continuation(flags, stream_id, payload)
-        elif kind == SETTINGS:
-            self._settings(flags, stream_id, payload)
-        elif kind == WINDOW_UPDATE:
-            self.window_updates += 1
-            if self.window_updates > WINDOW_UPDATES_PER_DATA * (1 + self.data_sent + self.opened_total):
-                raise H2Error(ENHANCE_YOUR_CALM, f"more than {WINDOW_UPDATES_PER_DATA} WINDOW_UPDATEs per DATA "
-                                                 "frame sent")
-            self._window_update(stream_id, payload)
-        elif kind == PING:
-            self._ping(flags, stream_id, payload)
-        elif kind == RST_STREAM:
-            self._client_reset(stream_id, payload)
-        elif kind == GOAWAY:
-            self._idle()
-            self.go_away()  # the client sends no more: answer what it sent, then close
-        elif kind == PUSH_PROMISE:
-            raise H2Error(PROTOCOL_ERROR, "a client may not push")
-        else:  # PRIORITY and unknown frame types are ignored, as the protocol asks
-            self._idle()
-
-    def _never_opened(self, stream_id: int, what: str) -> None:
-        if stream_id > self.last_id:  # an idle stream (RFC 9113 section 5.1)
-            raise H2Error(PROTOCOL_ERROR, f"{what} on stream {stream_id}, which the client never opened")
-
-    def _ping(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 8 or stream_id:
-            raise H2Error(FRAME_SIZE_ERROR if len(payload) != 8 else PROTOCOL_ERROR, "a malformed PING")
-        if flags & ACK:
-            self._idle()  # we send no PING
-        else:
-            self._flood("PINGs")
-            self.write(frame(PING, ACK, 0, payload), control=True)
-
-    @staticmethod
-    def _unpad(flags: int, payload: bytes) -> bytes:
-        if not flags & PADDED:
-            return payload
-        if not payload or payload[0] >= len(payload):
-            raise H2Error(PROTOCOL_ERROR, "padding longer than the frame")
-        return payload[1:len(payload) - payload[0]]
-
-    def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if stream_id or len(payload) % 6 or (flags & ACK and payload):
-            raise H2Error(PROTOCOL_ERROR if stream_id else FRAME_SIZE_ERROR, "a malformed SETTINGS frame")
-        if flags & ACK:
-            self._idle()
-            return
-        self._flood("SETTINGS frames")
-        if len(payload) > 6 * SETTINGS_ENTRIES:
-            raise H2Error(ENHANCE_YOUR_CALM, f"{len(payload) // 6} entries in one SETTINGS frame; "
-                                             f"the limit is {SETTINGS_ENTRIES}")
-        for offset in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, offset)
-            if key == INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    raise H2Error(FLOW_CONTROL_ERROR, f"initial window {value} is above 2^31-1")
-                for stream in self.streams.values():
-                    stream.send_window += value - self.peer_window
-                self.peer_window = value
-            elif key == MAX_FRAME_SIZE:
-                if not FRAME_LIMIT <= value <= 2**24 - 1:
-                    raise H2Error(PROTOCOL_ERROR, f"max frame size {value} is out of range")
-                self.peer_frame = value
-        self.write(frame(SETTINGS, ACK, 0), control=True)
-        self._resume()
-
-    def _window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise H2Error(FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame is 4 bytes")
-        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
-        if stream_id == 0:
-            if not increment:
-                raise H2Error(PROTOCOL_ERROR, "a zero window increment")
-            self.send_window += increment
-            if self.send_window > MAX_WINDOW:
-                raise H2Error(FLOW_CONTROL_ERROR, "the connection's window passed 2^31-1")
-        elif (stream := self.streams.get(stream_id)) is not None:
-            stream.send_window += increment
-            if not increment or stream.send_window > MAX_WINDOW:
-                self._reset(stream_id)
-                self.write(frame(RST_STREAM, 0, stream_id, U32.pack(PROTOCOL_ERROR if not increment
-                                                                      else FLOW_CONTROL_ERROR)), control=True)
-        else:
-            self._never_opened(stream_id, "WINDOW_UPDATE")
-        self._resume()
-
-    def _client_reset(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4 or not stream_id:
-            raise H2Error(FRAME_SIZE_ERROR if stream_id else PROTOCOL_ERROR, "a malformed RST_STREAM")
-        self._never_opened(stream_id, "RST_STREAM")
-        self._flood("RST_STREAM frames")
-        self._reset(stream_id)
 
     def _reset(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
@@ -717,7 +356,8 @@ class Connection(asyncio.Protocol):
             stream.task.cancel()
 
     def trailers_only(self, stream_id: int, code: str, message: str) -> None:
-        self.write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, calls.RESPONSE_HEADERS + calls.status_block(code, message)))
+        block = calls.RESPONSE_HEADERS + calls.status_block(code, message)
+        self.write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
 
     def send_message(self, stream: Stream, message: bytes) -> None:
         if stream.id not in self.streams:

@@ -15,7 +15,7 @@ import logging
 from tritonclient.grpc import service_pb2 as pb
 
 from fusedserve.service import connections, tensors
-from fusedserve.service.grpc import calls, codec, h2
+from fusedserve.service.grpc import calls, codec, h2, h2_limits
 from fusedserve.service.engine.client import Engine
 from fusedserve.service.errors import (ClientGone, DeadlineExceeded, NotReady, NotServed, ServiceError, UnknownModel,
                                        log_unexpected)
@@ -241,7 +241,7 @@ class GrpcServer:
         self.methods = methods(servicer)  # what h2.Connection reads: these six attributes
         self.refuse = key_check(guard) if guard.keyed else None
         self.max_message = settings.max_body_bytes
-        self.limits = h2.Limits.of(settings)
+        self.limits = h2_limits.Limits.of(settings)
         self.connections: set[h2.Connection] = set()
         self.policy = connections.GrpcPolicy(settings, self.connections)  # the cap, the budget, the timers
         self.draining = False

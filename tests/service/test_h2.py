@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 from hpack import Decoder, Encoder
 
-from fusedserve.service.grpc import calls as grpc_calls, h2
+from fusedserve.service.grpc import calls as grpc_calls, h2, h2_limits
 from fusedserve.service.grpc.server import GrpcServer
 from fusedserve.service.settings import Settings
 
@@ -120,17 +120,17 @@ def toy_state() -> SimpleNamespace:
                            taken=0)
 
 
-def toy_stub(limits: h2.Limits | None = None, max_message: int = MAX_MESSAGE) -> SimpleNamespace:
+def toy_stub(limits: h2_limits.Limits | None = None, max_message: int = MAX_MESSAGE) -> SimpleNamespace:
     """A stand-in for GrpcServer (the attributes a Connection reads) over the toy methods; a caller
     sending ``x-deny: yes`` is refused. ``limits``: the defaults unless given."""
     state = toy_state()
     return SimpleNamespace(methods=toy_methods(state), max_message=max_message, connections=set(), draining=False,
                            refuse=lambda name, metadata: "denied" if ("x-deny", "yes") in metadata else None,
-                           state=state, limits=limits or h2.Limits.of(Settings()))
+                           state=state, limits=limits or h2_limits.Limits.of(Settings()))
 
 
 @asynccontextmanager
-async def toy_server(limits: h2.Limits | None = None, max_message: int = MAX_MESSAGE):
+async def toy_server(limits: h2_limits.Limits | None = None, max_message: int = MAX_MESSAGE):
     """``toy_stub`` serving on a free loopback port (``.port``)."""
     stub = toy_stub(limits, max_message)
     listener = await asyncio.get_running_loop().create_server(lambda: h2.Connection(stub), "127.0.0.1", 0)
@@ -575,7 +575,8 @@ def test_grpc_timeout_rejects(value):
 
 # Issue 34: what a hostile client can make one connection hold or do.
 ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, PROTOCOL_ERROR = 0xB, 0x3, 0x1
-SMALL = h2.Limits(calls_per_connection=2, calls_per_stream=4, write_buffer_bytes=1 << 16, queued_control_frames=10)
+SMALL = h2_limits.Limits(calls_per_connection=2, calls_per_stream=4, write_buffer_bytes=1 << 16,
+                         queued_control_frames=10)
 
 
 class FakeTransport(asyncio.Transport):
@@ -615,7 +616,7 @@ class FakeTransport(asyncio.Transport):
         return default
 
 
-def in_process(limits: h2.Limits | None = None) -> tuple[h2.Connection, FakeTransport]:
+def in_process(limits: h2_limits.Limits | None = None) -> tuple[h2.Connection, FakeTransport]:
     """A Connection over the toy methods on a FakeTransport, the client's preface and SETTINGS in."""
     connection, transport = h2.Connection(toy_stub(limits)), FakeTransport()
     connection.connection_made(transport)
@@ -660,7 +661,7 @@ async def test_a_new_stream_below_one_already_opened_is_a_connection_error(serve
     assert client.goaway == (5, PROTOCOL_ERROR), f"GOAWAY PROTOCOL_ERROR, last stream 5, got {client.goaway}"
 
 
-FLOOD_BURST = h2.FLOOD_BURST
+FLOOD_BURST = h2_limits.FLOOD_BURST
 FLOODS = {  # what -> the bytes sent (the server fails on their last frame)
     "PINGs": frame(PING, 0, 0, bytes(8)) * (FLOOD_BURST + 1),
     "SETTINGS frames": frame(SETTINGS, 0, 0) * FLOOD_BURST,  # OPENING holds one more
@@ -672,10 +673,10 @@ FLOODS = {  # what -> the bytes sent (the server fails on their last frame)
     "nine CONTINUATION frames": frame(HEADERS, 0, 1, request_block(ECHO)[:10]) + b"".join(
         frame(CONTINUATION, END_HEADERS if i == 8 else 0, 1, request_block(ECHO)[10 + i:11 + i]) for i in range(9)),
     "33 entries in one SETTINGS frame": frame(SETTINGS, 0, 0, struct.pack(">HI", INITIAL_WINDOW_SIZE, 1000) * 33),
-    "PRIORITY frames on no stream": frame(PRIORITY, 0, 1, bytes(5)) * (h2.IDLE_PER_STREAM + 1),
-    "PING ACKs unasked for": frame(PING, ACK, 0, bytes(8)) * (h2.IDLE_PER_STREAM + 1),
+    "PRIORITY frames on no stream": frame(PRIORITY, 0, 1, bytes(5)) * (h2_limits.IDLE_PER_STREAM + 1),
+    "PING ACKs unasked for": frame(PING, ACK, 0, bytes(8)) * (h2_limits.IDLE_PER_STREAM + 1),
     "WINDOW_UPDATEs with no DATA sent": frame(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big"))
-    * (h2.WINDOW_UPDATES_PER_DATA + 1),
+    * (h2_limits.WINDOW_UPDATES_PER_DATA + 1),
 }
 
 
@@ -720,8 +721,8 @@ async def test_data_beyond_a_stream_window_is_a_flow_control_error():
 
 @pytest.mark.timeout(30)
 async def test_a_stream_handler_takes_at_most_calls_per_stream_requests_unanswered():
-    limits = h2.Limits(calls_per_connection=100, calls_per_stream=4, write_buffer_bytes=1 << 16,
-                       queued_control_frames=10)
+    limits = h2_limits.Limits(calls_per_connection=100, calls_per_stream=4, write_buffer_bytes=1 << 16,
+                              queued_control_frames=10)
     async with toy_server(limits) as server:
         client = await Client.connect(server.port)
         client.call(1, PILE, b"".join(message(b"%d" % i) for i in range(10)), end=True)
@@ -769,8 +770,8 @@ async def test_one_read_is_handled_a_slice_per_event_loop_turn():
     sent = frame(PING, 0, 0, bytes(8)) * 900
     connection.data_received(sent)
     acks = sum(1 for data in connection._out for kind, *_ in frames_in(data) if kind == PING)
-    assert acks == h2.SLICE_FRAMES and not transport.reading, \
-        f"{h2.SLICE_FRAMES} frames handled in the read's own turn, reading paused: {acks}, {transport.reading=}"
+    assert acks == h2_limits.SLICE_FRAMES and not transport.reading, \
+        f"{h2_limits.SLICE_FRAMES} frames handled in the read's own turn, reading paused: {acks}, {transport.reading=}"
     await turns()
     acks = sum(1 for kind, flags, *_ in frames_in(transport.written) if kind == PING and flags & ACK)
     assert acks == 900 and transport.reading, f"every PING answered on later turns, then reading on: {acks}"
@@ -793,7 +794,7 @@ async def test_reading_stops_while_the_client_reads_too_little():
 async def test_a_client_that_leaves_too_much_unsent_is_cut_off():
     connection, transport = in_process(SMALL)
     await turns()
-    transport.unsent = h2.WRITE_HARD * SMALL.write_buffer_bytes + 1
+    transport.unsent = h2_limits.WRITE_HARD * SMALL.write_buffer_bytes + 1
     connection.data_received(frame(PING, 0, 0, bytes(8)))
     await turns()
     assert transport.aborted, "the connection aborted once its unsent bytes passed the hard bound"

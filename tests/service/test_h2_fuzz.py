@@ -11,13 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusedserve.service.grpc import h2
+from fusedserve.service.grpc import h2, h2_limits
 
 from .test_h2 import (ACK, CHAT, CONTINUATION, DATA, ECHO, END_HEADERS, END_STREAM, FAIL, GOAWAY, HEADERS, HOLD,
                       INITIAL_WINDOW_SIZE, OPENING, PADDED, PILE, PING, RST_STREAM, SETTINGS, WAIT, WINDOW_UPDATE,
                       FakeTransport, frame, frames_in, message, request_block, toy_stub)
 
-LIMITS = h2.Limits(calls_per_connection=3, calls_per_stream=2, write_buffer_bytes=1 << 14, queued_control_frames=20)
+LIMITS = h2_limits.Limits(calls_per_connection=3, calls_per_stream=2, write_buffer_bytes=1 << 14,
+                          queued_control_frames=20)
 PATHS = [ECHO, FAIL, WAIT, CHAT, HOLD, PILE, "/toy.Toy/Nope"]
 TURNS = 200  # event-loop turns a sequence may take to settle
 ids = st.sampled_from([0, 1, 2, 3, 5, 7, 9, 2**31 - 1]) | st.integers(0, 2**31 - 1)
@@ -126,9 +127,10 @@ async def _settle(transport, turns: int = TURNS) -> None:
 
 
 def _check_bounds(connection) -> None:
-    assert len(connection.streams) <= h2.MAX_STREAMS, len(connection.streams)
+    assert len(connection.streams) <= h2_limits.MAX_STREAMS, len(connection.streams)
     assert 0 <= connection.in_flight <= LIMITS.calls_per_connection, connection.in_flight
-    assert len(connection.buffer) <= h2.SLICE_BYTES + 2 * (9 + h2.FRAME_LIMIT) + 70000 * 2, len(connection.buffer)
+    assert len(connection.buffer) <= h2_limits.SLICE_BYTES + 2 * (9 + h2_limits.FRAME_LIMIT) + 70000 * 2, \
+        len(connection.buffer)
     for stream in connection.streams.values():
         assert stream.in_flight <= LIMITS.calls_per_stream, stream.in_flight
         assert stream.inbox is None or len(stream.inbox) <= LIMITS.calls_per_stream, len(stream.inbox)
@@ -138,7 +140,7 @@ def _check_bounds(connection) -> None:
 def _check_output(connection, transport) -> None:
     written = frames_in(transport.written)
     assert written and written[0][0] == SETTINGS, "the server's SETTINGS come first"
-    assert all(len(payload) <= h2.FRAME_LIMIT for *_, payload in written), "frames within the frame size limit"
+    assert all(len(payload) <= h2_limits.FRAME_LIMIT for *_, payload in written), "frames within the frame size limit"
     if connection.failed:
         kind, _, stream, payload = written[-1]
         assert kind == GOAWAY and stream == 0 and struct.unpack(">I", payload[4:8])[0] != 0, \
