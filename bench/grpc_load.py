@@ -163,7 +163,8 @@ async def _grpc_client(call, requests: list[bytes], deadline: float, latencies: 
         i += 1
 
 
-async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s: float, channels: int) -> tuple[list, list, float]:
+async def drive_grpc(port: int, requests: list[bytes], clients: int, duration_s: float,
+                     channels: int) -> tuple[list, list, float]:
     """Like ``drive``, over gRPC: ``clients`` callers on ``channels`` channels, bytes in and out."""
     import grpc
 
@@ -193,7 +194,10 @@ async def _stream_client(channel, requests: list[bytes], deadline: float, latenc
             t0 = time.perf_counter()
             await call.write(requests[i % len(requests)])
             answer = pb.ModelStreamInferResponse.FromString(await asyncio.wait_for(call.read(), IO_TIMEOUT_S))
-            (errors.append(answer.error_message) if answer.error_message else latencies.append(time.perf_counter() - t0))
+            if answer.error_message:
+                errors.append(answer.error_message)
+            else:
+                latencies.append(time.perf_counter() - t0)
             i += 1
         await call.done_writing()
     finally:
@@ -218,7 +222,8 @@ async def drive_stream(port: int, requests: list[bytes], clients: int, duration_
     return latencies, errors, elapsed
 
 
-async def drive_raw(port: int, requests: list[bytes], clients: int, duration_s: float, stream: bool) -> tuple[list, list, float]:
+async def drive_raw(port: int, requests: list[bytes], clients: int, duration_s: float,
+                    stream: bool) -> tuple[list, list, float]:
     """Like ``drive``, over gRPC from raw-socket HTTP/2 clients (pre-built frames, no gRPC library):
     ModelInfer, or (``stream``) one ModelStreamInfer stream per client. The run's first answer is checked."""
     if not 1 <= clients <= MAX_CLIENTS:
@@ -359,9 +364,9 @@ def summarize(results: list[dict], target: float) -> list[dict]:
                 if grpc_mode in row and http in row:
                     g, h = row[grpc_mode], row[http]
                     ratio = g["rps"] / h["rps"]
-                    row[f"{grpc_mode}_over_{http}"] = {
-                        "rps": round(ratio, 3), "met": ratio >= target,
-                        "server_cpu_per_request": round(g["server_cpu_ms_per_request"] / h["server_cpu_ms_per_request"], 3)}
+                    cpu = g["server_cpu_ms_per_request"] / h["server_cpu_ms_per_request"]
+                    row[f"{grpc_mode}_over_{http}"] = {"rps": round(ratio, 3), "met": ratio >= target,
+                                                       "server_cpu_per_request": round(cpu, 3)}
         rows.append(row)
     return rows
 

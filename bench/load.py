@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "tritonclient.http sends them (only servers that speak it)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 2 s (cpu 1 64, cuda 1 64 256), within --budget-s")
     p.add_argument("--budget-s", type=float, help="start no run after this many seconds of runs (--quick: 150)")
-    p.add_argument("--profile", action="store_true", help="py-spy on --ours under load (by process), and a request's stages")
+    p.add_argument("--profile", action="store_true",
+                   help="py-spy on --ours under load (by process), and a request's stages")
     p.add_argument("--profile-clients", type=int, nargs="+", default=[1, 64], help="client counts --profile samples")
     p.add_argument("--profile-model", default="digits", choices=["digits", "wide"], help="the model --profile drives")
     p.add_argument("--ready-timeout", type=float, default=400.0, help="seconds a server may take to warm up")
@@ -159,7 +160,7 @@ def check_answers(servers: dict, bodies: list[bytes], ours: str) -> dict:
     diffs = {}
     for name, s in servers.items():
         outs = [np.array(post(s.url + s.spec.infer_path, b)["outputs"]) for b in bodies]
-        diffs[name] = float(max(np.abs(o - r).max() for o, r in zip(outs, reference)))
+        diffs[name] = float(max(np.abs(o - r).max() for o, r in zip(outs, reference, strict=True)))
         # float32 logits (|x| ~ 10) of one model: summation order alone moves them by ~1e-5, a wrong model by ~1.
         if not diffs[name] <= 1e-2:
             raise RuntimeError(f"{name} answers digits differently from {ours}: max |diff| {diffs[name]}")
@@ -303,7 +304,8 @@ def machine(args) -> dict:
     gpu = None
     if args.device == "cuda" and shutil.which("nvidia-smi"):
         gpu = os.popen("nvidia-smi --query-gpu=name --format=csv,noheader").read().strip().splitlines()[0]
-    return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+    return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "gpu": gpu,
             "python": platform.python_version(),
             "versions": {d: version(d) for d in ("torch", "triton", "fastapi", "uvicorn", "litserve", "uvloop")}}
@@ -321,7 +323,8 @@ def benchmark(args, work: Path, started: float) -> dict:
     traffic = {m: request_traffic(m, widths[m], args.rows, args.protocol) for m in {*args.models, args.profile_model}}
     servers = start(chosen, args, repo, work)
     try:
-        print(f"{len(servers)} servers ready after {time.monotonic() - started:.0f} s: {', '.join(servers)}", flush=True)
+        print(f"{len(servers)} servers ready after {time.monotonic() - started:.0f} s: {', '.join(servers)}",
+              flush=True)
         agree = check_answers(servers, request_traffic("digits", 64, 1).bodies[:4],
                               args.ours if args.ours in servers else next(iter(servers)))
         with LoadPool(args.procs) as pool:
@@ -336,8 +339,8 @@ def benchmark(args, work: Path, started: float) -> dict:
         argv = {n: s.argv for n, s in servers.items()}
     finally:
         stop(servers)
-    return {"servers": argv, "skipped": skipped, "machine_busy_before": quiet, "answers_max_abs_diff": agree, "runs": runs, "cut_short": cut,
-            "runs_s": round(runs_s, 1), "profile": prof}
+    return {"servers": argv, "skipped": skipped, "machine_busy_before": quiet, "answers_max_abs_diff": agree,
+            "runs": runs, "cut_short": cut, "runs_s": round(runs_s, 1), "profile": prof}
 
 
 def portable(text: str) -> str:

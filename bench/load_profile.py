@@ -202,7 +202,8 @@ async def _stages(device: str, body: bytes, reps: int) -> dict:
     from fusedserve.service.http.codec import dump_json, parse_json, rows_from_json
     from fusedserve.service.settings import Settings
 
-    app = create_app(Settings(device=device, max_batch_size=64, gc_freeze=False, grpc_port=0))  # shipped digits, HTTP only
+    # The shipped digits model, HTTP only.
+    app = create_app(Settings(device=device, max_batch_size=64, gc_freeze=False, grpc_port=0))
     async with app.router.lifespan_context(app):
         state = app.state.service
         while not state.serving:

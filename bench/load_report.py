@@ -131,22 +131,23 @@ def plot(summary: list[dict], path: Path, title: str) -> bool:
 
     models = list(dict.fromkeys(r["model"] for r in summary))
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.5 * len(models)), squeeze=False)
-    for (ax_lat, ax_cpu), model in zip(axes, models):
+    for (ax_lat, ax_cpu), model in zip(axes, models, strict=True):
         for k, server in enumerate(dict.fromkeys(r["server"] for r in summary if r["model"] == model)):
             rows = sorted((r for r in summary if (r["model"], r["server"]) == (model, server) and r["rps"]),
                           key=lambda r: r["clients"])
             color = f"C{k}"
             rps = [r["rps"]["median"] for r in rows]
-            err = [[v - r["rps"]["min"] for v, r in zip(rps, rows)], [r["rps"]["max"] - v for v, r in zip(rps, rows)]]
+            err = [[v - r["rps"]["min"] for v, r in zip(rps, rows, strict=True)],
+                   [r["rps"]["max"] - v for v, r in zip(rps, rows, strict=True)]]
             ax_lat.errorbar(rps, [r["p99_ms"]["median"] for r in rows], xerr=err, marker="o", color=color,
                             label=f"{server} p99")
             ax_lat.plot(rps, [r["p50_ms"]["median"] for r in rows], ls=":", marker=".", color=color)
-            for r, x in zip(rows, rps):
+            for r, x in zip(rows, rps, strict=True):
                 ax_lat.annotate(str(r["clients"]), (x, r["p99_ms"]["median"]), fontsize=7,
                                 textcoords="offset points", xytext=(3, 3))
             cpu = [(r["clients"], r["server_cpu_ms_per_request"]["median"]) for r in rows
                    if r["server_cpu_ms_per_request"]]
-            ax_cpu.plot(*zip(*cpu), marker="o", color=color, label=server) if cpu else None
+            ax_cpu.plot(*zip(*cpu, strict=True), marker="o", color=color, label=server) if cpu else None
         ax_lat.set(xlabel="requests / s (median of rounds; bars: min-max)", ylabel="latency, ms (p99; dotted p50)",
                    title=f"{model}: latency against throughput (labels: clients)", yscale="log")
         ax_cpu.set(xlabel="concurrent keep-alive clients", ylabel="server CPU ms per request (all processes)",

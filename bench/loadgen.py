@@ -176,7 +176,7 @@ def percentiles_ms(latencies_s: np.ndarray) -> dict:
         return dict.fromkeys(keys)
     ms = np.asarray(latencies_s) * 1e3
     values = [*np.percentile(ms, PERCENTILES), ms.mean(), ms.max()]
-    return {k: round(float(v), 3) for k, v in zip(keys, values)}
+    return {k: round(float(v), 3) for k, v in zip(keys, values, strict=True)}
 
 
 def merge(parts: list[dict], duration_s: float) -> dict:

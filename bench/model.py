@@ -31,9 +31,10 @@ poisons its process) loses one item: the parent records it under "failures" and 
 child for the rest. torch.compile runs last, each mode in children of its own, so its CUDA-graph
 trees never share a process with the other graphs. ``torch_compile_graph`` captures the kernels
 torch.compile (max-autotune, no cudagraph trees) generates in one plain CUDA graph, the way
-``torch_cuda_graph`` captures eager torch: the best of both. Timing: CUDA events around back-to-back calls (launch overhead
-counts, as in serving); the median over repeats of elapsed / calls. Weights stay wherever the
-previous call left them (the digits weights fit in L2; the mlp4x4096 ones, 128 MiB, do not).
+``torch_cuda_graph`` captures eager torch: the best of both. Timing: CUDA events around back-to-back
+calls (launch overhead counts, as in serving); the median over repeats of elapsed / calls. Weights
+stay wherever the previous call left them (the digits weights fit in L2; the mlp4x4096 ones, 128 MiB,
+do not).
 
 Timing overhead: ``ModelRunner.run`` (host copies included, as the service calls it) on digits at
 batch 8, one runner with its timing sink set for every other call, ``OVERHEAD_CALLS`` each way;
@@ -252,11 +253,11 @@ def timing_overhead(model: MLP, batch: int, calls: int) -> dict:
         if i % 2:
             timed_on.append(len(sink.timings) > before)
     mean_off, mean_on = statistics.fmean(off), statistics.fmean(on)
-    stderr = statistics.stdev([b - a for a, b in zip(off, on)]) / math.sqrt(calls)
+    stderr = statistics.stdev([b - a for a, b in zip(off, on, strict=True)]) / math.sqrt(calls)
     runner.timing_sink = sink
     runner.flush_timings()
-    untimed = [us for us, t in zip(on, timed_on) if not t]
-    timed = [us for us, t in zip(on, timed_on) if t]
+    untimed = [us for us, t in zip(on, timed_on, strict=True) if not t]
+    timed = [us for us, t in zip(on, timed_on, strict=True) if t]
     layers = len(model.layers)
     pct = 100 / mean_off
     result = {"model": model.name, "batch": batch, "path": runner.path(runner.buckets[-1]),
@@ -355,7 +356,8 @@ def run_children(items, repeats: int, results: Results) -> None:
     """Measure ``items`` in child processes, restarting after a crash without the item that crashed."""
     remaining = list(items)
     while remaining:
-        proc = subprocess.Popen(child_command(remaining, repeats), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(child_command(remaining, repeats), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
         current, tail = None, []
@@ -430,9 +432,11 @@ def print_summary(data):
     rows = data["rows"]
     log(f"\n{'model':10s} {'batch':>5s} " + " ".join(f"{i:>17s}" for i in IMPLS) + "  path     speed-up  target")
     cells = {(r["model"], r["batch"], r["impl"]): r for r in rows}
-    for (model, batch), (ours, best, theirs) in sorted(speedups(rows).items(), key=lambda kv: (MODELS.index(kv[0][0]), kv[0][1])):
-        times = " ".join(f"{cells[(model, batch, i)]['median_us'] if (model, batch, i) in cells else float('nan'):17.1f}"
-                         for i in IMPLS)
+    ordered = sorted(speedups(rows).items(), key=lambda kv: (MODELS.index(kv[0][0]), kv[0][1]))
+    for (model, batch), (ours, _best, theirs) in ordered:
+        medians = [cells[(model, batch, i)]["median_us"] if (model, batch, i) in cells else float("nan")
+                   for i in IMPLS]
+        times = " ".join(f"{us:17.1f}" for us in medians)
         ratio, want = theirs / ours, target(model, batch)
         path = cells[(model, batch, "fusedserve")].get("path", "?")
         log(f"{model:10s} {batch:5d} {times}  {path:7s} {ratio:6.2f}x   {want}x {'ok' if ratio >= want else 'MISSED'}")
@@ -460,11 +464,11 @@ def plot(rows, path, gpu):
     if not names:
         return
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    for ax, name in zip(axes[0], names, strict=True):
         for impl in IMPLS:
             points = sorted((r["batch"], r["median_us"]) for r in rows if r["model"] == name and r["impl"] == impl)
             if points:
-                ax.plot(*zip(*points), marker="o", label=impl)
+                ax.plot(*zip(*points, strict=True), marker="o", label=impl)
         ax.set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="median us per batch", title=name)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend()

@@ -178,7 +178,7 @@ def plot(rows, path, gpu):
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in dict.fromkeys(r["model"] for r in rows):
         points = sorted((r["batch"], r["ratio"]) for r in rows if r["model"] == name)
-        ax.plot(*zip(*points), marker="o", label=name)
+        ax.plot(*zip(*points, strict=True), marker="o", label=name)
     ax.axhline(1.0, color="k", ls="--")
     ax.set(xscale="log", xlabel="batch (rows)", ylabel="torch graph us / fusedserve us",
            title=f"{gpu}: host rows in and out (higher is better for fusedserve)")

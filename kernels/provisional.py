@@ -81,7 +81,7 @@ def read_table(path: Path) -> tuple[Entry, ...]:
     """The entries of one table file (see ``tools/provisional_table.py`` for its format)."""
     data = json.loads(Path(path).read_text())
     fields = data["fields"]
-    return tuple(Entry(**dict(zip(fields, row))) for row in data["entries"])
+    return tuple(Entry(**dict(zip(fields, row, strict=True))) for row in data["entries"])
 
 
 @functools.cache

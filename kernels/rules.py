@@ -56,8 +56,8 @@ class Problem:
 
 def tma_compatible(*tensors) -> bool:
     """Whether 2-D ``tensors`` have unit column stride and 16-byte aligned base and row pitch."""
-    return all(t.stride(-1) == 1 and t.data_ptr() % _TMA_ALIGN == 0 and (t.stride(0) * t.element_size()) % _TMA_ALIGN == 0
-               for t in tensors)
+    return all(t.stride(-1) == 1 and t.data_ptr() % _TMA_ALIGN == 0
+               and (t.stride(0) * t.element_size()) % _TMA_ALIGN == 0 for t in tensors)
 
 
 def problem_of(x2d: torch.Tensor, weight: torch.Tensor) -> Problem:

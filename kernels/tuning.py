@@ -98,7 +98,7 @@ def time_configs(candidates, run, timer=None):
     samplers = [_sampler(timer, run, c) for c in finalists]
     samples = [[] for _ in finalists]
     for _ in range(_FINAL_ROUNDS):
-        for sampler, into in zip(samplers, samples):
+        for sampler, into in zip(samplers, samples, strict=True):
             into += sampler(_FINAL_REPEATS)
         _pause()
     medians = [_median(s) for s in samples]

@@ -118,7 +118,8 @@ class BackgroundTuner:
             for line in self._worker.stdout:
                 word, _, value = line.strip().partition(" ")
                 if word == tune_worker.TUNED and int(value) in buckets:
-                    log.info("tuning worker of %r: M=%s timed in %.1f s", runner.name, value, time.perf_counter() - last)
+                    log.info("tuning worker of %r: M=%s timed in %.1f s", runner.name, value,
+                             time.perf_counter() - last)
                     yield int(value)
                     last = time.perf_counter()
         finally:

@@ -82,8 +82,8 @@ class FusedPath:
     def __init__(self, model: MLP):
         self.model = model
         layers = model.layers
-        self.packed = fused_mlp.pack_mlp([l.weight.detach() for l in layers], [l.bias.detach() for l in layers],
-                                         model.config.activation)
+        self.packed = fused_mlp.pack_mlp([layer.weight.detach() for layer in layers],
+                                         [layer.bias.detach() for layer in layers], model.config.activation)
 
     def tune(self, x: torch.Tensor) -> None:
         """Every layer's config at this bucket, timed in the whole chain (once per bucket and GPU)."""

@@ -32,7 +32,8 @@ TUNED, WARM = "TUNED", "WARM"
 def argv(runner, buckets, warm: bool = False) -> list[str]:
     """The command line of a worker that tunes (``warm``: compiles) ``buckets`` of ``runner``'s model
     as it serves it."""
-    return [sys.executable, "-m", "fusedserve.models.tune_worker", "--config", json.dumps(runner.model.config.to_dict()),
+    return [sys.executable, "-m", "fusedserve.models.tune_worker",
+            "--config", json.dumps(runner.model.config.to_dict()),
             "--name", runner.name, "--device", str(runner.device), "--backend", runner.backend,
             "--max-batch-size", str(runner.max_batch_size), "--buckets", ",".join(str(b) for b in buckets),
             *(["--warm"] if warm else [])]

@@ -93,7 +93,8 @@ class Guard:
             return self._same_site(headers)
         if inference and method == "POST":
             kind = headers.get(b"content-type")
-            if kind is not None and kind != b"application/json" and kind.split(b";", 1)[0].strip().decode("latin-1").lower() not in BODY_TYPES:
+            if (kind is not None and kind != b"application/json"
+                    and kind.split(b";", 1)[0].strip().decode("latin-1").lower() not in BODY_TYPES):
                 return 415, (f"Content-Type {kind.decode('latin-1')!r} is not accepted: send application/json "
                              "(or application/octet-stream with Inference-Header-Content-Length)"), {}
         return None

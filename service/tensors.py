@@ -1,8 +1,9 @@
 """The Open Inference Protocol's (KServe v2) tensor rules, one copy for the HTTP routes and the gRPC
 servicer: every model has one input, "input" ([-1, in_features]), and one output, "output" FP32
-([-1, out_features]), one version served at a time ("1" unless the model has version folders); an input may come in any of ``DATATYPES`` and is served as
-float32. Each protocol finds the input's name, datatype, shape and values in its own body; the
-checks and the messages saying what to fix are here."""
+([-1, out_features]), one version served at a time ("1" unless the model has version folders); an
+input may come in any of ``DATATYPES`` and is served as float32. Each protocol finds the input's
+name, datatype, shape and values in its own body; the checks and the messages saying what to fix
+are here."""
 
 from __future__ import annotations
 

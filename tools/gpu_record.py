@@ -33,7 +33,8 @@ def tree_hash(path: Path) -> str:
             entries.append((child.name + "/", b"40000 " + child.name.encode(), bytes.fromhex(tree_hash(child))))
         else:
             mode = b"100755 " if os.access(child, os.X_OK) else b"100644 "
-            entries.append((child.name, mode + child.name.encode(), bytes.fromhex(_git_hash(b"blob", child.read_bytes()))))
+            blob = bytes.fromhex(_git_hash(b"blob", child.read_bytes()))
+            entries.append((child.name, mode + child.name.encode(), blob))
     body = b"".join(head + b"\0" + digest for _, head, digest in sorted(entries))
     return _git_hash(b"tree", body)
 

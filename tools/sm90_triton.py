@@ -27,7 +27,8 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
     programmatic dependent launch (with the weight prefetch, where the kernel has one) or not.
     ``precision``: fp32 dots' ``input_precision`` (16-bit dots ignore it)."""
     if module is normalize:  # the input normalization: x [M, K] fp32 -> [M, K] dtype (N is not used)
-        x, shift, scale = MockTensor(torch.float32, [M, K]), MockTensor(torch.float32, [K]), MockTensor(torch.float32, [K])
+        x = MockTensor(torch.float32, [M, K])
+        shift, scale = MockTensor(torch.float32, [K]), MockTensor(torch.float32, [K])
         return [compile_sm90(normalize._normalize_kernel, (x, shift, scale, MockTensor(dtype, [M, K]), M, K, K, K),
                              dict(USE_PDL=pdl, BLOCK=normalize.BLOCK, **config))]
     x, w, y, b = (MockTensor(dtype, s) for s in ([M, K], [N, K], [M, N], [N]))

@@ -70,7 +70,7 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
                          f"{len(weights)} and {len(biases)}")
     widths = [weights[0].shape[1]]
     offsets, w_offset, b_offset = [], 0, 0
-    for i, (w, b) in enumerate(zip(weights, biases)):
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
         if w.dim() != 2 or w.shape[1] != widths[-1]:
             raise ValueError(f"weights[{i}] must be [N, {widths[-1]}], got {tuple(w.shape)}")
         if tuple(b.shape) != (w.shape[0],):
@@ -235,7 +235,7 @@ def tune_chain(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: t
         return [config or _default_config(M, packed, index, device) for index, config in enumerate(tuned)]
     dtype, sms = packed.weights.dtype, sm_count(device)
     candidates = [[config] if config is not None else fused_mlp_candidates(M, N, K, dtype, sms)
-                  for config, (K, N) in zip(tuned, pairwise(packed.widths))]
+                  for config, (K, N) in zip(tuned, pairwise(packed.widths), strict=True)]
     configs = descend_chain(candidates, lambda configs: fused_mlp(x, packed, shift, scale, configs))
     cache = device_cache(cuda_name(device))
     for index, config in enumerate(configs):

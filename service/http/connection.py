@@ -19,7 +19,8 @@ from fusedserve.service.connections import Descriptors, Warnings
 from fusedserve.service.http.middleware import ANSWERED, CLIENT_GONE, GONE, REQUESTS
 
 LINGER_S = 1.0  # after a refusal: read and drop what the client still sends, so it gets the answer, not a reset
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Group:
     def answer(self, out, error: BaseException | None) -> None:
         conn, groups, start = self.conn, self.conn.groups, 0
         frame = None if error is None else _error_frame(error)
-        for ident, n in zip(self.idents, self.rows):
+        for ident, n in zip(self.idents, self.rows, strict=True):
             if groups.get(ident) is self:
                 del groups[ident]
                 if error is None:

@@ -1,6 +1,7 @@
 """A front-end process of ``--workers N``: the FastAPI app and its hot path under uvicorn, on the
 listening socket the supervisor bound and handed down, with a ``RemoteEngine`` in place of the
-models. Every front end serves gRPC too, on one port shared with SO_REUSEPORT. SIGTERM drains it (``DrainingServer``) like a single process."""
+models. Every front end serves gRPC too, on one port shared with SO_REUSEPORT. SIGTERM drains it
+(``DrainingServer``) like a single process."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """``fusedserve serve --workers N`` (N > 1): a small supervisor process. It binds the HTTP port (one
-SO_REUSEPORT socket per front end), spawns one engine process (``service.workers.engine_process``: models,
-batchers, CUDA graphs, stats) and, once the engine has loaded its models, N front ends (``service.workers.frontend``: uvicorn on its inherited socket,
-a ``RemoteEngine`` each, every one also serving gRPC on one port shared with SO_REUSEPORT), and
-restarts any that dies; an engine whose event loop stops beating (``Heartbeat``) is killed first.
-Children are fresh interpreters (spawned, never forked: the engine may touch CUDA), in their own
-session so a terminal's Ctrl-C reaches only the supervisor, which passes each signal on exactly once.
+SO_REUSEPORT socket per front end), spawns one engine process (``service.workers.engine_process``:
+models, batchers, CUDA graphs, stats) and, once the engine has loaded its models, N front ends
+(``service.workers.frontend``: uvicorn on its inherited socket, a ``RemoteEngine`` each, every one
+also serving gRPC on one port shared with SO_REUSEPORT), and restarts any that dies; an engine
+whose event loop stops beating (``Heartbeat``) is killed first. Children are fresh interpreters
+(spawned, never forked: the engine may touch CUDA), in their own session so a terminal's Ctrl-C
+reaches only the supervisor, which passes each signal on exactly once.
 
 SIGTERM: every front end drains (``DrainingServer``: answers for ``drain_grace_s``, then finishes what
 it accepted); once all have exited, the engine stops (its batchers answer what they queued)."""
@@ -172,8 +173,9 @@ class Supervisor:
         tmp = tempfile.mkdtemp(prefix="fusedserve-")
         path = os.path.join(tmp, "engine.sock")
         self._front_ends = [
-            Child(f"front end {i}", [sys.executable, "-m", "fusedserve.service.workers.frontend", "--fd", str(sock.fileno()),
-                                     "--engine", path, *self._common], self._handoff, (sock.fileno(),))
+            Child(f"front end {i}", [sys.executable, "-m", "fusedserve.service.workers.frontend",
+                                     "--fd", str(sock.fileno()), "--engine", path, *self._common],
+                  self._handoff, (sock.fileno(),))
             for i, sock in enumerate(socks)]
         if settings.grpc_port:
             _check_free(settings.host, settings.grpc_port, "--grpc-port")

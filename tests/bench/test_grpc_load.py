@@ -1,5 +1,6 @@
 """bench/grpc_load.py: the requests it sends are ones the service accepts, its summary's ratios, and its
-raw-socket HTTP/2 gRPC client (bench/h2_client.py) (framing on hand-built bytes, and calls against the bare grpc.aio server)."""
+raw-socket HTTP/2 gRPC client (bench/h2_client.py) (framing on hand-built bytes, and calls against the
+bare grpc.aio server)."""
 
 import asyncio
 import json

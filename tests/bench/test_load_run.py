@@ -52,7 +52,7 @@ def test_v2_binary_bodies_hold_the_same_rows_as_the_json_ones():
     as_json, as_v2 = request_traffic("wide", 24, 3), request_traffic("wide", 24, 3, "v2-binary")
     length = int(dict(as_v2.headers)["Inference-Header-Content-Length"])
     assert as_v2.path == "/v2/models/wide/infer" and len(as_v2.bodies) == len(as_json.bodies)
-    for text, blob in zip(as_json.bodies, as_v2.bodies):
+    for text, blob in zip(as_json.bodies, as_v2.bodies, strict=True):
         head = json.loads(blob[:length])
         assert head["inputs"][0]["shape"] == [3, 24] and head["outputs"][0]["parameters"] == {"binary_data": True}
         rows = np.frombuffer(blob[length:], dtype="<f4").reshape(3, 24)

@@ -68,7 +68,8 @@ NVIDIA H100 80GB HBM3, 580.159.04, 1980 MHz
 def test_a_gpu_check_log_becomes_a_line_of_its_stages(tmp_path):
     (tmp_path / "gpu_check.log").write_text(LOG)
     line = runs.log_line(tmp_path / "gpu_check.log")
-    assert (line["gpu"], line["commit"], line["date"]) == ("NVIDIA H100 80GB HBM3", "1a2b3c4", "2026-12-07T10:00:01+00:00")
+    assert (line["gpu"], line["commit"], line["date"]) == ("NVIDIA H100 80GB HBM3", "1a2b3c4",
+                                                           "2026-12-07T10:00:01+00:00")
     assert line["rows"] == [dict(stage="env", rc=0, seconds=7), dict(stage="kernels", rc=124, seconds=260)]
     assert line["summary"] == {"stages": 2, "failed": ["kernels"]} and line["log"] == LOG
 

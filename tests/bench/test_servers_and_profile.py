@@ -97,7 +97,8 @@ def test_cpu_by_process_names_each_role_and_its_busiest_process(tmp_path):
 
 
 def test_summarize_by_process_keys_samples_by_the_innermost_process_module():
-    text = ('process 5:"python -m fusedserve serve";process 6:"python -m fusedserve.service.workers.engine_process --x 1";'
+    text = ('process 5:"python -m fusedserve serve";'
+            'process 6:"python -m fusedserve.service.workers.engine_process --x 1";'
             "Batcher._loop (service/engine/batcher.py:238) 3\n"
             'process 5:"python -m fusedserve serve";process 7:"python -m fusedserve.service.workers.frontend --fd 3";'
             "thread (0x1);Runner.run (asyncio/runners.py:118) 1\n"

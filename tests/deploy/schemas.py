@@ -65,7 +65,7 @@ def _dropped(given, kept, path: str) -> list[str]:
             where = f"{path}.{key}"
             found += [f"{where}: unknown field"] if key not in kept else _dropped(value, kept[key], where)
     elif isinstance(given, list):
-        for i, (g, k) in enumerate(zip(given, kept)):
+        for i, (g, k) in enumerate(zip(given, kept, strict=True)):
             found += _dropped(g, k, f"{path}[{i}]")
     return found
 

@@ -1,5 +1,7 @@
 """Helpers shared by the kernel tests."""
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -49,13 +51,13 @@ def check_layers_in_cuda_graph(M, layer, tol):
     own bf16 layers (which round each layer too)."""
     g = torch.Generator(device="cuda").manual_seed(M)
     ws = [(torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
-          for k, n in zip(CHAIN_WIDTHS, CHAIN_WIDTHS[1:])]
+          for k, n in pairwise(CHAIN_WIDTHS)]
     bs = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in CHAIN_WIDTHS[1:]]
     x = torch.randn(M, CHAIN_WIDTHS[0], device="cuda", generator=g).to(torch.bfloat16)
 
     def chain(layer_fn):
         outs, h = [], x
-        for i, (w, b) in enumerate(zip(ws, bs)):
+        for i, (w, b) in enumerate(zip(ws, bs, strict=True)):
             h = layer_fn(i, h, w, b, "relu" if i < len(ws) - 1 else "none")
             outs.append(h)
         return outs

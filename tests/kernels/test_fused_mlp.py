@@ -38,7 +38,7 @@ from fusedserve.kernels.tuning import descend_chain
 def reference_mlp(x, weights, biases, shift, scale, activation="relu"):
     """Normalize in fp32, round to the model dtype, then act(F.linear) per layer, none on the last."""
     h = ((x - shift) * scale).to(weights[0].dtype)
-    for i, (w, b) in enumerate(zip(weights, biases)):
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
         h = F.linear(h, w, b)
         if i < len(weights) - 1:
             h = F.relu(h) if activation == "relu" else h
@@ -90,7 +90,8 @@ def run_with_candidate(x, packed, shift, scale, pick):
     return h
 
 
-@pytest.mark.parametrize("widths, rows", [((17, 70, 3, 5), 1), ((3, 70, 5), 3), ((100, 9), 16), ((20, 70, 3), 17), ((20, 70, 3), 65)])
+@pytest.mark.parametrize("widths, rows", [((17, 70, 3, 5), 1), ((3, 70, 5), 3), ((100, 9), 16), ((20, 70, 3), 17),
+                                         ((20, 70, 3), 65)])
 @pytest.mark.parametrize("dtype, tol", [
     # exact fp32 products on both sides (on a GPU ours may be 3xTF32, ~2**-22 a product): summation
     # order, mostly

@@ -176,7 +176,8 @@ def check_against_reference(M, N, K, dtype, bias_kind, activation, seed=0, confi
 
     ref = reference(x, weight, bias, activation)
     nan_at = torch.isnan(got).nonzero()
-    assert nan_at.numel() == 0, f"{nan_at.shape[0]} outputs never written (NaN poison left), first at {nan_at[0].tolist()}"
+    assert nan_at.numel() == 0, (f"{nan_at.shape[0]} outputs never written (NaN poison left), "
+                                 f"first at {nan_at[0].tolist()}")
 
     err = (got.double() - ref).abs()
     torch_err = (torch_same_dtype(x, weight, bias, activation).double() - ref).abs().max().item()

@@ -5,6 +5,8 @@ Gluon never runs under TRITON_INTERPRET, so on the CPU the kernel is compiled fo
 shared memory and registers are checked; the numbers are checked only on a Hopper GPU.
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -174,7 +176,7 @@ def test_dependent_launches_in_a_cuda_graph(M, prefetch):
     # for the previous one would see stale values. The first (eager) run also makes the split-K
     # counters.
     outs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in CHAIN_WIDTHS[1:]]
-    configs = [gluon_small_m.candidates(M, n, k, torch.bfloat16)[-1] for k, n in zip(CHAIN_WIDTHS, CHAIN_WIDTHS[1:])]
+    configs = [gluon_small_m.candidates(M, n, k, torch.bfloat16)[-1] for k, n in pairwise(CHAIN_WIDTHS)]
     check_layers_in_cuda_graph(
         M, lambda i, h, w, b, act: gluon_small_m.launch(h, w, b, act, outs[i], configs[i], pdl=True,
                                                         prefetch_weight=prefetch),

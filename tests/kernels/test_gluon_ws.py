@@ -5,6 +5,8 @@ Gluon never runs under TRITON_INTERPRET, so on the CPU the kernel is only compil
 PTX, shared memory and registers are checked.
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -77,7 +79,8 @@ def test_192_wide_tiles_only_where_they_fill_the_waves_better(M, N, offered):
 
 @pytest.mark.parametrize("M, N, tiles", [(64, 11008, {(64, 96), (64, 64), (64, 128)}), (33, 8192, {(64, 96), (64, 64)}),
                                          (64, 4096, set()),
-                                         (128, 11008, {(64, 96), (64, 192), (64, 64), (64, 128), (128, 128), (256, 128)})])
+                                         (128, 11008, {(64, 96), (64, 192), (64, 64), (64, 128), (128, 128),
+                                                       (256, 128)})])
 def test_a_few_rows_get_only_64_row_tiles_where_they_fill_the_sms(M, N, tiles):
     # N=11008, M=64: 115 tiles of 64 x 96 (a 64- and a 32-wide accumulator) for 132 SMs, where the
     # weight-streaming kernels' 64 W rows make 172 (1.3 waves) and 128 make 86. N=4096, M=64: 64 tiles
@@ -301,7 +304,7 @@ def test_dependent_launches_in_a_cuda_graph(M, schedule):
         return next(c for c in square if {"one consumer": c["CONSUMERS"] == 1, "ping-pong": c["PINGPONG"],
                                           "cooperative": c["CONSUMERS"] == 2 and not c["PINGPONG"]}[schedule])
 
-    configs = [pick(gluon_ws.candidates(M, n, k, torch.bfloat16)) for k, n in zip(CHAIN_WIDTHS, CHAIN_WIDTHS[1:])]
+    configs = [pick(gluon_ws.candidates(M, n, k, torch.bfloat16)) for k, n in pairwise(CHAIN_WIDTHS)]
     # Three bf16 layers: a few bf16 roundings of the largest value.
     check_layers_in_cuda_graph(
         M, lambda i, h, w, b, act: gluon_ws.launch(h, w, b, act, outs[i], configs[i], pdl=True),

@@ -61,7 +61,8 @@ def test_real_compile_workers_run_and_a_failed_one_is_logged(monkeypatch, caplog
     runner = ModelRunner(model, max_batch_size=8)
     assert precompile.precompile([(runner, 2)], 1) > 0  # a real worker, --warm, on the CPU
     assert "exited with code" not in caplog.text
-    monkeypatch.setattr(tune_worker, "argv", lambda runner, buckets, warm: [sys.executable, "-c", "raise SystemExit(5)"])
+    monkeypatch.setattr(tune_worker, "argv",
+                        lambda runner, buckets, warm: [sys.executable, "-c", "raise SystemExit(5)"])
     with caplog.at_level(logging.WARNING):
         precompile.precompile([(runner, 4)], 1)
     assert "exited with code 5; those buckets compile here" in caplog.text

@@ -74,7 +74,8 @@ def test_warmup_runs_every_bucket_and_records_nothing():
 def test_attributes():
     runner = ModelRunner(make_model(), max_batch_size=MAX_BATCH)
     assert (runner.name, runner.in_features, runner.out_features, runner.max_batch_size) == ("tiny", 17, 5, 100)
-    assert (runner.device.type, runner.backend, runner.dtype, runner.cuda_graphs) == ("cpu", "torch", torch.float32, False)
+    assert (runner.device.type, runner.backend, runner.dtype, runner.cuda_graphs) == ("cpu", "torch", torch.float32,
+                                                                                      False)
 
 
 @pytest.mark.parametrize("x, error, message", [

@@ -35,7 +35,8 @@ async def test_model_may_be_omitted_only_when_one_is_loaded(client, tmp_path, re
     one = tmp_path / "one"
     models.save_model(models.load_model(repository / "tiny"), one / "tiny")
     app = create_app(Settings(model_repository=one, device="cpu", gc_freeze=False))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
+    async with (app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c):
         await wait_ready(c)
         r = await c.post("/infer", json={"inputs": ROWS[:1]})
     assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
@@ -97,7 +98,7 @@ async def test_two_concurrent_requests_land_in_one_batch(client, repository):
     gate.set()
     responses = await asyncio.gather(first, *pair)
     assert calls == [1, 2], f"runner saw batches of {calls} rows; the two queued requests should share one"
-    for row, r in zip(ROWS[1:], responses[1:]):
+    for row, r in zip(ROWS[1:], responses[1:], strict=True):
         np.testing.assert_allclose(r.json()["outputs"], reference(repository, "tiny", [row]), rtol=RTOL,
                                    atol=ATOL, err_msg=f"row {row} got another request's output")
     stats = (await client.get("/kernel-stats")).json()
@@ -233,7 +234,8 @@ async def test_limits_body_rows_queue_and_deadline(repository):
     settings = Settings(model_repository=repository, device="cpu", gc_freeze=False, max_batch_size=4, max_queue_rows=4,
                         max_body_bytes=300, request_timeout_ms=10_000, inline_batch_ms=0.0)
     app = create_app(settings)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
+    async with (app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c):
         await wait_ready(c)
         r = await c.post("/infer", json={"model": "tiny", "inputs": [[1.0, 2.0, 3.0]] * 40})
         assert r.status_code == 413 and "300-byte" in r.json()["error"], r.text
@@ -261,7 +263,8 @@ async def test_limits_body_rows_queue_and_deadline(repository):
 async def test_not_ready_until_warm_and_failed_warmup_is_reported(repository, held_warmup):
     held_warmup.fail = "wide"
     app = create_app(Settings(model_repository=repository, device="cpu", gc_freeze=False))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
+    async with (app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c):
         while not held_warmup.started.is_set():
             await asyncio.sleep(0.005)
         assert (await c.get("/v2/health/live")).status_code == 200

@@ -69,7 +69,7 @@ async def test_requests_queued_while_busy_share_one_batch_in_order():
     gate.set()
     outs = await asyncio.gather(first, *later)
     assert runner.batches == [1, 6], f"batches were {runner.batches}"
-    for n, out in zip((1, 3, 2), outs[1:]):
+    for n, out in zip((1, 3, 2), outs[1:], strict=True):
         np.testing.assert_array_equal(out[:, 0], rows(n, 100.0 * n).sum(1), err_msg=f"request of {n} rows")
         assert out.shape == (n, OUT)
     hist = stats.snapshot()["models"]["fake"]["batch_size_histogram"]

@@ -108,7 +108,8 @@ def test_page_lists_models_moves_under_load_and_resets(browser, server, tmp_path
         "return [...document.querySelectorAll('section.model')].map(s => s.dataset.model)"))
     assert names == ["tiny", "wide"], names
     assert _field(browser, "tiny", "requests") == "0" and _field(browser, "tiny", "errors") == "none"
-    assert "CPU" in browser.find_element("id", "devices").text and "estimate" in browser.find_element("id", "devices").text
+    devices = browser.find_element("id", "devices").text
+    assert "CPU" in devices and "estimate" in devices
 
     _burst(server, ok=40, bad=3)  # tiny: 30 answered + 3 refused; wide: 10
     _wait(browser, "33 requests to tiny", lambda d: _field(d, "tiny", "requests") == "33")

@@ -32,15 +32,16 @@ def accuracy(outputs, labels) -> float:
 async def test_shipped_digits_in_memory_with_concurrent_requests():
     x, y = digits()
     app = create_app(Settings(device="cpu", max_batch_size=16, gc_freeze=False))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c:
+    async with (app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://localhost") as c):
         await wait_ready(c)
         # Awkward request sizes (at most max_batch_size=16 rows each), sent concurrently so they batch.
         sizes = [1, 3, 16, 7, 1, 16, 13, 16, 16, 16, 16, 9]
         starts = np.cumsum([0, *sizes[:-1]])
         responses = await asyncio.gather(*(
-            c.post("/infer", json={"inputs": x[s:s + n].tolist()}) for s, n in zip(starts, sizes)))
+            c.post("/infer", json={"inputs": x[s:s + n].tolist()}) for s, n in zip(starts, sizes, strict=True)))
         outputs = []
-        for s, n, r in zip(starts, sizes, responses):
+        for s, n, r in zip(starts, sizes, responses, strict=True):
             assert r.status_code == 200, f"rows {s}:{s + n}: {r.status_code} {r.text}"
             assert len(r.json()["outputs"]) == n, f"rows {s}:{s + n} got {len(r.json()['outputs'])} outputs"
             outputs += r.json()["outputs"]
@@ -51,4 +52,5 @@ async def test_shipped_digits_in_memory_with_concurrent_requests():
         # Timings are sampled: every layer of each timed batch, and at least each bucket's first.
         calls = [row["calls"] for row in stats["layers"]]
         buckets = {row["M"] for row in stats["layers"]}
-        assert len(calls) == 3 * len(buckets) and sum(calls) <= 3 * stats["models"]["digits"]["batches"], stats["layers"]
+        assert len(calls) == 3 * len(buckets), stats["layers"]
+        assert sum(calls) <= 3 * stats["models"]["digits"]["batches"], stats["layers"]

@@ -68,7 +68,8 @@ async def test_typed_contents_in_typed_out_and_raw_when_asked(served, repository
     r = await served.stub.ModelInfer(request)
     got = np.frombuffer(r.raw_output_contents[0], dtype=np.float32).reshape(3, OUT)
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg="typed in, raw out when asked")
-    ints = Tensor(name="input", datatype="INT32", shape=[1, IN], contents=pb.InferTensorContents(int_contents=[1, 2, 3]))
+    ints = Tensor(name="input", datatype="INT32", shape=[1, IN],
+                  contents=pb.InferTensorContents(int_contents=[1, 2, 3]))
     r = await served.stub.ModelInfer(pb.ModelInferRequest(model_name="tiny", inputs=[ints]))
     np.testing.assert_allclose(r.outputs[0].contents.fp32_contents, reference(repository, "tiny", [[1, 2, 3]])[0],
                                rtol=RTOL, atol=ATOL, err_msg="INT32 typed contents are served as float32")
@@ -100,13 +101,15 @@ MISTAKES = {
                    "has 32 bytes but shape [3, 3] of float32 needs 36"),
     "missing input": (pb.ModelInferRequest(model_name="tiny"), "INVALID_ARGUMENT", "one input 'input'"),
     "two inputs": (_two_inputs(), "INVALID_ARGUMENT", "got 2 inputs"),
-    "input name": (pb.ModelInferRequest(model_name="tiny", inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[3, 3])],
+    "input name": (pb.ModelInferRequest(model_name="tiny",
+                                        inputs=[Tensor(name="INPUT0", datatype="FP32", shape=[3, 3])],
                                         raw_input_contents=[ROWS.tobytes()]), "INVALID_ARGUMENT", "named 'INPUT0'"),
     "ragged typed": (typed_request([1.0, 2.0, 3.0, 4.0], [2, 3]), "INVALID_ARGUMENT", "has 4 numbers but shape [2, 3]"),
     "no data": (typed_request([], [1, 3]), "INVALID_ARGUMENT", "has no data"),
     "wrong typed field": (typed_request(None, [1, 3], fp64_contents=[1.0, 2.0, 3.0]), "INVALID_ARGUMENT",
                           "go in contents.fp32_contents; got contents.fp64_contents"),
-    "typed fp16": (pb.ModelInferRequest(model_name="tiny", inputs=[Tensor(name="input", datatype="FP16", shape=[1, 3])]),
+    "typed fp16": (pb.ModelInferRequest(model_name="tiny",
+                                        inputs=[Tensor(name="input", datatype="FP16", shape=[1, 3])]),
                    "INVALID_ARGUMENT", "raw_input_contents"),
     "raw and typed": (pb.ModelInferRequest(model_name="tiny", inputs=[typed_request([1.0, 2.0, 3.0], [1, 3]).inputs[0]],
                                            raw_input_contents=[ROWS[:1].tobytes()]), "INVALID_ARGUMENT", "both"),

@@ -162,7 +162,7 @@ async def test_requests_of_one_turn_queue_as_one_group_and_get_their_own_rows(en
         await calls[1]
     assert batcher.queued_rows == 3
     runner.gate.set()
-    for call, x in zip((calls[0], calls[2]), (rows[0], rows[2])):
+    for call, x in zip((calls[0], calls[2]), (rows[0], rows[2]), strict=True):
         np.testing.assert_array_equal(await asyncio.wait_for(call, 10), x[:, :2])
     await first
 
@@ -188,7 +188,7 @@ async def test_a_group_never_outgrows_a_batch(engines):
     runner.gate.set()
     rows = [np.full((3, 3), i, dtype=np.float32) for i in range(5)]
     outs = await asyncio.wait_for(asyncio.gather(*(remote.infer("m", x, 10.0) for x in rows)), 10)
-    for out, x in zip(outs, rows):
+    for out, x in zip(outs, rows, strict=True):
         np.testing.assert_array_equal(out, x[:, :2])
 
 

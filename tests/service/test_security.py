@@ -208,7 +208,8 @@ async def test_grpc_repository_calls_need_the_admin_key(settings):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await served.stub.RepositoryIndex(pb.RepositoryIndexRequest())
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, caught.value
-        index = await served.stub.RepositoryIndex(pb.RepositoryIndexRequest(), metadata=(("authorization", "Bearer root"),))
+        index = await served.stub.RepositoryIndex(pb.RepositoryIndexRequest(),
+                                                  metadata=(("authorization", "Bearer root"),))
         assert [m.name for m in index.models] == ["tiny", "wide"]
     finally:
         await _close(served)

@@ -86,8 +86,8 @@ def test_python_dash_m_service_help_lists_every_flag():
 
 
 def test_bad_flag_value_exits_with_usage_not_a_traceback():
-    out = subprocess.run([sys.executable, "-m", "fusedserve", "serve", "--device", "gpu"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, check=False)
+    out = subprocess.run([sys.executable, "-m", "fusedserve", "serve", "--device", "gpu"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2, out.stderr
     assert "device must be auto, cpu, cuda or cuda:<index>" in out.stderr and "Traceback" not in out.stderr, out.stderr
 

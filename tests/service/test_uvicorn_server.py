@@ -130,7 +130,7 @@ def test_sigterm_drain_answers_requests_on_open_connections(repo, tmp_path):
         with pytest.raises(InferenceServerException) as caught:
             grpc_client.is_server_live(client_timeout=5)
         assert caught.value.status() == "StatusCode.UNAVAILABLE", caught.value
-        for c, sock in zip(conns, socks):
+        for c, sock in zip(conns, socks, strict=True):
             assert c.sock is sock, "the client reconnected: this test must reuse the idle connection"
             c.request("POST", "/infer", body, headers)
             r = c.getresponse()

@@ -41,7 +41,7 @@ def test_a_group_carries_each_requests_id_and_rows_in_order():
     rng = np.random.default_rng(1)
     parts = [rng.standard_normal((n, 5), dtype=np.float32) for n in (1, 3, 2)]
     group = wire.InferGroup(1, 5, 2.0)
-    for ident, x in zip((7, 8, 9), parts):
+    for ident, x in zip((7, 8, 9), parts, strict=True):
         group.add(ident, x)
     [(kind, ident, payload)] = wire.Frames().feed(b"".join(bytes(chunk) for chunk in group.frame()))
     model, idents, counts, rows, timeout_s = wire.read_infer(payload)

@@ -107,7 +107,8 @@ def test_batches_merge_front_ends_and_stats_cover_every_process(server):
     log = server.log.read_text()  # front ends start once the engine loaded (they would slow its start)
     assert log.index("started front end 0") > log.rindex("loaded model"), log
     for pid in [server.proc.pid, *children(server.proc.pid)["frontend"]]:  # ~85 MB each instead of ~300
-        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), f"pid {pid} loaded torch: only the engine needs it"
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps, f"pid {pid} loaded torch: only the engine needs it"
     record: list = []
     asyncio.run(load(server.port, 2.0, record))
     ok = sum(status == 200 for _, _, status, _ in record)
