@@ -76,7 +76,8 @@ def test_an_activation_without_a_branch_fails_instead_of_computing_the_identity(
 
 def _compile_gluon(name, activation):
     """Compile one launch of Gluon family ``name`` for sm_90 with ``activation``."""
-    from fusedserve.kernels.gluon import sm90, small_m as gluon_small_m, wgmma, ws
+    from fusedserve.kernels.gluon import small_m as gluon_small_m, wgmma, ws
+    from tools import sm90_gluon as sm90
 
     dtype = torch.bfloat16
     if name == "gluon_wgmma":
