@@ -1,6 +1,6 @@
 """What a gRPC call is on HTTP/2 (``service.grpc.h2`` carries it): its status codes and trailers, its
 deadline header, the methods a server offers and the context their handlers see, and the tasks that
-run one call, unary or streaming."""
+run one call, unary or streaming, through what they ask of its connection (``Carrier``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -108,6 +109,21 @@ class CallContext:
         raise Abort(code, message)
 
 
+class Carrier(Protocol):
+    """All a call asks of the connection that carries it (``service.grpc.h2.Connection``): its
+    request messages in, its answers out, its end with a status. ``stream`` is the call's own, of
+    which the call reads ``method`` and ``context``."""
+
+    async def next_message(self, stream) -> bytes | None:
+        """A streaming call's next request message; None once the client ended the stream."""
+
+    def send_message(self, stream, message: bytes) -> None:
+        """One response message out."""
+
+    def finish(self, stream, code: str, message: str) -> None:
+        """End the call with its status."""
+
+
 class NotGrpc(Exception):
     """A request that is no gRPC call (not a POST of application/grpc): answered HTTP 415."""
 
@@ -184,7 +200,7 @@ def grpc_timeout(value: str) -> float:
     return int(value[:-1]) * TIMEOUT_UNITS[value[-1]]
 
 
-async def unary_call(connection, stream, message: bytes) -> None:
+async def unary_call(connection: Carrier, stream, message: bytes) -> None:
     try:
         response = await stream.method.handler(stream.method.parse(message), stream.context)
     except Exception as exc:  # noqa: BLE001 - every call is answered with a status
@@ -194,7 +210,7 @@ async def unary_call(connection, stream, message: bytes) -> None:
     connection.finish(stream, "OK", "")
 
 
-async def stream_call(connection, stream) -> None:
+async def stream_call(connection: Carrier, stream) -> None:
     failure: list = []
     try:
         async for response in stream.method.handler(_requests(connection, stream, failure), stream.context):
@@ -204,7 +220,7 @@ async def stream_call(connection, stream) -> None:
     connection.finish(stream, *(_status_of(failure[0]) if failure else ("OK", "")))
 
 
-async def _requests(connection, stream, failure: list) -> AsyncIterator:
+async def _requests(connection: Carrier, stream, failure: list) -> AsyncIterator:
     """The stream's request messages as the connection lets the handler take them, parsed; one that
     does not parse or decompress, or a stream that ends inside one, ends the call with that status."""
     while True:

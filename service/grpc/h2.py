@@ -82,7 +82,8 @@ class Stream:
 
 class Connection(FrameConnection):
     """One client's HTTP/2 connection: its frames (``FrameConnection``) and its streams, each a gRPC
-    call run by ``service.grpc.calls``; ``server`` also holds the methods by path and ``refuse``."""
+    call. It is the ``calls.Carrier`` its calls run on; ``server`` also holds the methods by path and
+    ``refuse``."""
 
     def __init__(self, server):
         super().__init__(server)
