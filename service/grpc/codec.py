@@ -10,9 +10,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from fusedserve.service import tensors
+from fusedserve.service.engine.state import ModelInfo
 from fusedserve.service.errors import BadInput
 from fusedserve.service.http.codec import check_rows
-from fusedserve.service.engine.state import ModelInfo
 from fusedserve.service.tensors import OUTPUT
 
 # The InferTensorContents field that carries each datatype's typed values (FP16 has none: raw only).

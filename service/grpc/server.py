@@ -1,10 +1,10 @@
 """KServe v2 gRPC (``inference.GRPCInferenceService``, the messages ``tritonclient[grpc]`` ships) on
 our own HTTP/2 connections (``service.grpc.h2``) in the HTTP app's event loop. The servicer sees only an
 ``Engine``; a client's mistake is answered with the status code its ``ServiceError`` names
-(INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash. ModelStreamInfer answers each
-request of a stream with its id (a mistake in ``error_message``, the stream going on). Methods not
-listed here (model config, statistics, shared-memory control) answer UNIMPLEMENTED; the repository
-methods are ``ModelControl``'s, as over HTTP."""
+(INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash.
+ModelStreamInfer answers each request of a stream with its id (a mistake in ``error_message``, the
+stream going on). Methods not listed here (model config, statistics, shared-memory control) answer
+UNIMPLEMENTED; the repository methods are ``ModelControl``'s, as over HTTP."""
 
 from __future__ import annotations
 
@@ -15,13 +15,20 @@ import logging
 from tritonclient.grpc import service_pb2 as pb
 
 from fusedserve.service import connections, tensors
-from fusedserve.service.grpc import calls, codec, h2, h2_limits
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.errors import (ClientGone, DeadlineExceeded, NotReady, NotServed, ServiceError, UnknownModel,
-                                       log_unexpected)
+from fusedserve.service.engine.state import ModelInfo
+from fusedserve.service.errors import (
+    ClientGone,
+    DeadlineExceeded,
+    NotReady,
+    NotServed,
+    ServiceError,
+    UnknownModel,
+    log_unexpected,
+)
+from fusedserve.service.grpc import calls, codec, h2, h2_limits
 from fusedserve.service.security import Guard
 from fusedserve.service.settings import Settings
-from fusedserve.service.engine.state import ModelInfo
 
 log = logging.getLogger("fusedserve")
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
