@@ -90,7 +90,7 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0.0)
     max_connections: int = Field(0, ge=0)
     grpc_idle_timeout_s: float = Field(300.0, ge=0.0)
-    # What one gRPC client may make its connection hold (service.grpc.h2). Requests in flight (handlers
+    # What one gRPC client may make its connection hold (service.grpc.h2_limits). Requests in flight (handlers
     # running, a stream's requests taken and not yet answered), per connection and per
     # ModelStreamInfer stream: at the cap the server stops reading the connection, or stops taking
     # the stream's messages (they then wait under HTTP/2 flow control), until some are answered;

@@ -19,8 +19,20 @@ import pytest
 from hpack import Encoder
 
 from .conftest import Server, write_repository
-from .test_h2 import (CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, PING, PREFACE, SETTINGS,
-                      WINDOW_UPDATE, frame, request_block)
+from .test_h2 import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PREFACE,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+    request_block,
+)
 
 FLOOD_S = 2.0  # the most one flood lasts
 GOOD_S = 1.0  # the slowest a good request may be answered during a flood

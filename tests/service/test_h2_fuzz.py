@@ -6,16 +6,41 @@ of ``data_received`` or a callback, never hangs, and never holds more than its b
 
 import asyncio
 import struct
+from itertools import pairwise
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fusedserve.service.grpc import h2, h2_limits
 
-from .test_h2 import (ACK, CHAT, CONTINUATION, DATA, ECHO, END_HEADERS, END_STREAM, FAIL, GOAWAY, HEADERS, HOLD,
-                      INITIAL_WINDOW_SIZE, OPENING, PADDED, PILE, PING, RST_STREAM, SETTINGS, WAIT, WINDOW_UPDATE,
-                      FakeTransport, frame, frames_in, message, request_block, toy_stub)
+from .test_h2 import (
+    ACK,
+    CHAT,
+    CONTINUATION,
+    DATA,
+    ECHO,
+    END_HEADERS,
+    END_STREAM,
+    FAIL,
+    GOAWAY,
+    HEADERS,
+    HOLD,
+    INITIAL_WINDOW_SIZE,
+    OPENING,
+    PADDED,
+    PILE,
+    PING,
+    RST_STREAM,
+    SETTINGS,
+    WAIT,
+    WINDOW_UPDATE,
+    FakeTransport,
+    frame,
+    frames_in,
+    message,
+    request_block,
+    toy_stub,
+)
 
 LIMITS = h2_limits.Limits(calls_per_connection=3, calls_per_stream=2, write_buffer_bytes=1 << 14,
                           queued_control_frames=20)
@@ -41,7 +66,8 @@ def _shaped():
         st.builds(lambda s, body, f, n: frame(DATA, f, s, message(body) * n), ids, st.binary(max_size=30),
                   st.sampled_from([0, END_STREAM, PADDED]), st.integers(0, 5)),
         st.builds(lambda s, n: frame(DATA, 0, s, bytes([0, 0, 0, n >> 8 & 255, n & 255])), ids, st.integers(0, 70000)),
-        st.builds(lambda v: frame(SETTINGS, 0, 0, struct.pack(">HI", INITIAL_WINDOW_SIZE, v)), st.integers(0, 2**32 - 1)),
+        st.builds(lambda v: frame(SETTINGS, 0, 0, struct.pack(">HI", INITIAL_WINDOW_SIZE, v)),
+                  st.integers(0, 2**32 - 1)),
         st.builds(lambda s, inc: frame(WINDOW_UPDATE, 0, s, inc), ids, u32),
         st.builds(lambda s, code: frame(RST_STREAM, 0, s, code), ids, u32),
         st.builds(lambda f, p: frame(PING, f, 0, p), st.sampled_from([0, ACK]), st.binary(min_size=8, max_size=8)),
@@ -87,7 +113,7 @@ events = st.builds(lambda calls, rest: _frames(calls + rest), st.lists(_client()
 
 def _chunks(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:])]
+    return [data[a:b] for a, b in pairwise(points)]
 
 
 async def _feed(sequence, cuts: list[int], unsent: int) -> None:
