@@ -1,21 +1,27 @@
-"""Peak compute and memory rates a roofline is drawn against: measured figures for the GPU we run
-on (the H200), datasheet figures for a few others, and a rough estimate for a CPU. Each answer
-says where its numbers come from and whether they are an estimate."""
+"""Peak compute and memory rates a roofline is drawn against: the highest rates measured on the GPUs
+we run on (H200, H100 SXM), datasheet figures for a few others, and a rough estimate for a CPU. Each
+answer says where its numbers come from and whether they are an estimate."""
 
 from __future__ import annotations
 
 import functools
 import os
 
+# The measured rows: the best 8192^3 bf16 matmul and device copy that bench/kernels.py records in every
+# run's line (matmul_tflops, copy_tbps), over the runs of bench/results/kernels.jsonl on that GPU
+# (tests/service/test_model_stats.py checks these against the file). fp16 is taken as bf16; fp32
+# without TF32 is the datasheet's.
+MEASURED = "the best of bench/results/kernels.jsonl's runs there"
 # (substring of torch's device name, peaks). The first match wins: "H100 PCIe" before "H100".
 GPU_PEAKS = (
-    ("H200", {"tflops": {"bfloat16": 715.0, "float16": 715.0, "float32": 67.0}, "tbps": 4.3, "estimate": False,
-              "source": "measured on an H200 (2026-12-02): bf16 cuBLASLt GEMM 698-715 TFLOP/s, copy 4.3 TB/s; "
-                        "fp16 taken as bf16; fp32 without TF32 from the datasheet (67)"}),
+    ("H200", {"tflops": {"bfloat16": 797.4, "float16": 797.4, "float32": 67.0}, "tbps": 4.255, "estimate": False,
+              "source": f"measured on an H200, {MEASURED}: bf16 matmul 797 TFLOP/s, copy 4.26 TB/s; "
+                        "fp16 as bf16; fp32 without TF32 from the datasheet (67)"}),
     ("H100 PCIe", {"tflops": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0}, "tbps": 2.0, "estimate": True,
                    "source": "H100 PCIe datasheet (dense), not measured"}),
-    ("H100", {"tflops": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}, "tbps": 3.35, "estimate": True,
-              "source": "H100 SXM datasheet (dense), not measured"}),
+    ("H100", {"tflops": {"bfloat16": 736.2, "float16": 736.2, "float32": 67.0}, "tbps": 3.024, "estimate": False,
+              "source": f"measured on an H100 SXM, {MEASURED}: bf16 matmul 736 TFLOP/s, copy 3.02 TB/s; "
+                        "fp16 as bf16; fp32 without TF32 from the datasheet (67)"}),
 )
 _FALLBACK_GPU = "H200"
 # A CPU core: an assumed clock, and fp32 flops per cycle (two FMA units of 8 or 16 lanes).

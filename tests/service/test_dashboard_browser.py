@@ -165,7 +165,7 @@ def test_a_capture_replays_into_the_page(browser, server, tmp_path):
     assert "replayed" in browser.find_element("id", "status").text
     device = browser.execute_script("const p = document.querySelector('[data-device=\"cuda:0\"]');"
                                     "return [p.textContent, p.querySelector('.estimate') !== null]")
-    assert "NVIDIA H200" in device[0] and "715 TFLOP/s bfloat16" in device[0] and not device[1], device
+    assert "NVIDIA H200" in device[0] and "797 TFLOP/s bfloat16" in device[0] and not device[1], device
     choices = browser.execute_script("return [...document.querySelectorAll("
                                      "'section[data-model=\"tiny\"] td[class^=choice-]')].map(c => c.textContent)")
     want = [data["kernel_stats"]["served"]["tiny"]["choices"][str(r["M"])] for r in tiny_layers]
