@@ -1,7 +1,8 @@
 """The routes that carry rows, ``POST /infer`` and ``POST /v2/models/{m}[/versions/{v}]/infer``,
 served straight from ASGI: no routing, dependency injection or middleware stack per request.
-Decoding and encoding are the routes' own (``routers.infer``, ``routers.v2``), so a request answers
-the same whichever way it comes in; FastAPI keeps every other route and the API's documentation."""
+Decoding and encoding are the codecs the framework's routes call too (``http.infer_body``,
+``http.v2_body``), so a request answers the same whichever way it comes in; FastAPI keeps every other
+route and the API's documentation."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import time
 
 from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.errors import ServiceError, log_unexpected
+from fusedserve.service.http import infer_body, v2_body
 from fusedserve.service.http.codec import dump_json, read_asgi_body
 from fusedserve.service.http.inference import TIMEOUT_HEADER, run_rows, timeout_s
 from fusedserve.service.http.middleware import GONE, INTERNAL_ERROR, REQUESTS, RequestIds, answer_headers, log_access
-from fusedserve.service.http.routes import infer as infer_route, v2
 from fusedserve.service.security import WANTED, Guard
 
 log = logging.getLogger("fusedserve")
 _JSON, _V2_PREFIX, _V2_SUFFIX = b"application/json", "/v2/models/", "/infer"
-_TIMEOUT, _HEADER_LENGTH = TIMEOUT_HEADER.encode(), v2.HEADER_LENGTH.encode()
+_TIMEOUT, _HEADER_LENGTH = TIMEOUT_HEADER.encode(), v2_body.HEADER_LENGTH.encode()
 _WANTED = {b"content-length", _TIMEOUT, _HEADER_LENGTH, *WANTED}
 
 
@@ -81,21 +82,21 @@ class HotPath:
         state, engine, model = self.state, self.app.state.engine, ""
         try:
             kind, name, version = where
-            info = v2.model_info(engine, name, version) if kind == "v2" else None
+            info = v2_body.model_info(engine, name, version) if kind == "v2" else None
             model = info.name if info is not None else ""
             raw = await read_asgi_body(receive, _text(headers, b"content-length"), state.settings.max_body_bytes)
             if kind == "infer":
-                info, inputs = infer_route.parse(engine, raw)
+                info, inputs = infer_body.parse(engine, raw)
                 model = info.name
-                x = infer_route.rows(state, info, inputs, raw)
+                x = infer_body.rows(state, info, inputs, raw)
             else:
-                req, x, binary = v2.decode(state, info, raw, _text(headers, _HEADER_LENGTH))
+                req, x, binary = v2_body.decode(state, info, raw, _text(headers, _HEADER_LENGTH))
             alone = in_progress is not None and len(in_progress) == 1  # read now: others may have come
             out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive, gone,
                                  alone)
             if kind == "infer":
-                return 200, infer_route.encode(info, out), _JSON, {}
-            body, media_type, extra = v2.encode(info, req, binary, out)
+                return 200, infer_body.encode(info, out), _JSON, {}
+            body, media_type, extra = v2_body.encode(info, req, binary, out)
             return 200, body, media_type.encode(), extra
         except ServiceError as exc:
             engine.record_error(model, exc.outcome)

@@ -1,36 +1,26 @@
 """Open Inference Protocol (KServe v2) REST routes, with the binary tensor data extension, so
-``tritonclient.http`` and KServe clients work unmodified. The tensor rules (one input "input",
-one output "output", version "1") are ``service.tensors``, shared with the gRPC servicer."""
+``tritonclient.http`` and KServe clients work unmodified. The inference bodies are ``http.v2_body``'s;
+the tensor rules (one input "input", one output "output", version "1") are ``service.tensors``, shared
+with the gRPC servicer."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from fusedserve.service import tensors
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.engine.state import ModelInfo, ServiceState, get_engine, get_state
-from fusedserve.service.errors import BadInput
-from fusedserve.service.http.codec import as_array, check_rows, dump_json, parse_json, read_body
+from fusedserve.service.engine.state import ServiceState, get_engine, get_state
+from fusedserve.service.http import v2_body
+from fusedserve.service.http.codec import read_body
 from fusedserve.service.http.inference import infer
-from fusedserve.service.tensors import OUTPUT
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
-HEADER_LENGTH = "inference-header-content-length"
-
 State = Annotated[ServiceState, Depends(get_state)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
-
-
-def model_info(engine: Engine, name: str, version: str | None) -> ModelInfo:
-    """The named model (None: the only one) at ``version`` (None: any), or NotReady/UnknownModel."""
-    info = engine.model(name)
-    tensors.check_version(info, version)
-    return info
 
 
 @router.get("", summary="Server metadata")
@@ -41,7 +31,7 @@ async def server_metadata() -> dict:
 @router.get("/models/{model}", summary="Model metadata")
 @router.get("/models/{model}/versions/{version}", include_in_schema=False)
 async def model_metadata(engine: EngineDep, model: str, version: str | None = None) -> dict:
-    return tensors.metadata(model_info(engine, model, version))
+    return tensors.metadata(v2_body.model_info(engine, model, version))
 
 
 @router.get("/models/{model}/ready", summary="Model readiness")
@@ -50,113 +40,28 @@ async def model_ready(engine: EngineDep, model: str, version: str | None = None)
     failed = engine.failed()
     if model in failed:  # loaded no further: not ready, and why
         return JSONResponse({"name": model, "ready": False, "error": failed[model]}, status_code=503)
-    info = model_info(engine, model, version)
+    info = v2_body.model_info(engine, model, version)
     ok = engine.ready()
     return JSONResponse({"name": info.name, "ready": ok}, status_code=200 if ok else 503)
-
-
-def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
-    """The JSON header and the binary tensor data after it (empty without the extension)."""
-    if header_length is None:
-        return body, memoryview(b"")
-    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(body):
-        raise BadInput(f"Inference-Header-Content-Length {header_length!r} must be the byte length "
-                       f"of the JSON header, at most the body length {len(body)}")
-    n = int(header_length)
-    return body[:n], memoryview(body)[n:]
-
-
-def _parse_infer(body: bytes, header_length: str | None, info: ModelInfo, max_rows: int) -> tuple[dict, np.ndarray]:
-    """The request's JSON header and its one input as checked float32 rows: the decoding, once."""
-    header, blob = _split_body(body, header_length)
-    req = parse_json(header)
-    if not isinstance(req, dict) or not isinstance(req.get("inputs"), list) or len(req["inputs"]) != 1:
-        raise BadInput(f'body must be {{"inputs": [{{"name": "{tensors.INPUT}", "shape": [rows, {info.in_features}], '
-                       f'"datatype": "FP32", "data": [...]}}]}}: {tensors.expected(info)}')
-    spec = req["inputs"][0]
-    if not isinstance(spec, dict):
-        raise BadInput("inputs[0] must be an object with name, shape, datatype and data")
-    dtype, shape = tensors.check_input(spec.get("name"), spec.get("datatype"), spec.get("shape"), info, "inputs[0]")
-    params = _object(spec.get("parameters"), "inputs[0].parameters")
-    size = params.get("binary_data_size")
-    if size is not None:
-        if not isinstance(size, int) or size < 0:
-            raise BadInput(f"inputs[0].parameters.binary_data_size must be a byte count, got {size!r}")
-        if size > len(blob):
-            raise BadInput(f"inputs[0] declares binary_data_size {size} but only {len(blob)} bytes follow "
-                           "the JSON header")
-        x = tensors.from_bytes(blob[:size], dtype, shape, "inputs[0] binary data")
-    else:
-        data = spec.get("data")
-        if not isinstance(data, list):
-            raise BadInput("inputs[0] needs data (a flat or nested list of numbers) or binary_data_size")
-        x = tensors.from_values(as_array(data, "inputs[0].data", "a list of numbers"), shape, "inputs[0].data")
-    return req, check_rows(x, "inputs[0]", info.in_features, max_rows)
-
-
-def _object(value: object, where: str) -> dict:
-    """``value`` if it is a JSON object (absent or null: an empty one), else BadInput."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadInput(f"{where} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _wants_binary(req: dict) -> bool:
-    outputs = req.get("outputs")
-    if outputs is not None and not isinstance(outputs, list):
-        raise BadInput(f'"outputs" must be a list of objects like {{"name": "{OUTPUT}"}}, got {type(outputs).__name__}')
-    wanted = _object(req.get("parameters"), "parameters").get("binary_data_output", False)
-    for i, spec in enumerate(outputs or []):
-        spec = _object(spec, f"outputs[{i}]")
-        if spec.get("name") not in (None, OUTPUT):
-            raise BadInput(f"unknown output {spec.get('name')!r}: this model has one output, {OUTPUT!r}")
-        params = _object(spec.get("parameters"), f"outputs[{i}].parameters")
-        if "binary_data" in params:
-            wanted = params["binary_data"]
-    return bool(wanted)
 
 
 @router.post("/models/{model}/infer", summary="Inference (JSON or binary tensors)")
 @router.post("/models/{model}/versions/{version}/infer", include_in_schema=False)
 async def model_infer(request: Request, state: State, engine: EngineDep, model: str,
                       version: str | None = None) -> Response:
-    info = model_info(engine, model, version)
+    info = v2_body.model_info(engine, model, version)
     request.state.model = info.name
     body = await read_body(request, state.settings.max_body_bytes)
-    req, x, binary = decode(state, info, body, request.headers.get(HEADER_LENGTH))
-    content, media_type, headers = encode(info, req, binary, await infer(state, request, info.name, x))
+    req, x, binary = v2_body.decode(state, info, body, request.headers.get(v2_body.HEADER_LENGTH))
+    out = await infer(state, request, info.name, x)
+    content, media_type, headers = v2_body.encode(info, req, binary, out)
     return Response(content, media_type=media_type, headers=headers)
-
-
-def decode(state: ServiceState, info: ModelInfo, body: bytes, header_length: str | None
-           ) -> tuple[dict, np.ndarray, bool]:
-    """The request's JSON header, its float32 rows for ``info``'s model and whether it asks for
-    binary outputs; BadInput for anything wrong, before anything is computed."""
-    req, x = _parse_infer(body, header_length, info, state.settings.rows_per_request)
-    return req, x, _wants_binary(req)
-
-
-def encode(info: ModelInfo, req: dict, binary: bool, out: np.ndarray) -> tuple[bytes, str, dict]:
-    """(body, media type, extra headers) of the answer: JSON tensors, or the binary extension."""
-    result = {"model_name": info.name, "model_version": info.version,
-              "outputs": [{"name": OUTPUT, "datatype": tensors.OUTPUT_DATATYPE, "shape": list(out.shape)}]}
-    if "id" in req:
-        result["id"] = req["id"]
-    if not binary:
-        result["outputs"][0]["data"] = np.ascontiguousarray(out).ravel()
-        return dump_json(result), "application/json", {}
-    raw = np.ascontiguousarray(out, dtype=np.float32).tobytes()
-    result["outputs"][0]["parameters"] = {"binary_data_size": len(raw)}
-    header = dump_json(result)
-    return header + raw, "application/octet-stream", {"Inference-Header-Content-Length": str(len(header))}
 
 
 @router.get("/models/{model}/stats", summary="Inference statistics (Triton's format)")
 @router.get("/models/{model}/versions/{version}/stats", include_in_schema=False)
 async def model_stats(engine: EngineDep, model: str, version: str | None = None) -> dict:
-    info = model_info(engine, model, version)
+    info = v2_body.model_info(engine, model, version)
     c = await engine.model_counts(info.name)
 
     def ns(seconds: float) -> int:
