@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 
 from fusedserve.service.logs import FORMATS, configure
@@ -76,6 +77,7 @@ _FLAGS = {
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="fusedserve", description="Serve MLPs on fused Triton kernels.")
+    top.add_argument("--version", action="version", version=f"fusedserve {importlib.metadata.version('fusedserve')}")
     sub = top.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model repository over HTTP and gRPC")
     for flag, (field, kind, help_text) in _FLAGS.items():
@@ -97,15 +99,19 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace, settings) -> None:
-    from fusedserve.service.app import create_app
-    from fusedserve.service.http.server import DrainingServer, uvicorn_config
+    from fusedserve.service.workers import supervisor
 
     configure(args.log_level, args.log_format)
     if settings.workers > 1:
-        from fusedserve.service.workers import supervisor
-
         supervisor.run(settings, args.log_level, args.log_format)
         return
+    # Both ports before the imports and the models (the supervisor checks its own).
+    supervisor.check_free(settings.host, settings.port, "--port")
+    if settings.grpc_port:
+        supervisor.check_free(settings.host, settings.grpc_port, "--grpc-port")
+    from fusedserve.service.app import create_app
+    from fusedserve.service.http.server import DrainingServer, uvicorn_config
+
     app = create_app(settings)
     config = uvicorn_config(app, settings, args.log_level)
     DrainingServer(config, app.state.service, settings.drain_grace_s).run()

@@ -75,8 +75,10 @@ async def until_orphaned(supervisor: int | None) -> None:
         await asyncio.sleep(ORPHAN_POLL_S)
 
 
-def _check_free(host: str, port: int, flag: str) -> None:
-    """Refuse a port another program holds: the front ends' SO_REUSEPORT sockets would share it."""
+def check_free(host: str, port: int, flag: str) -> None:
+    """Exit (status 1, one line naming ``flag``) if another program holds the port, before anything
+    loads: the front ends' SO_REUSEPORT sockets would share it, and one process would find it taken
+    only when uvicorn binds, after its models loaded."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         socket.create_server((host, port), family=family).close()
@@ -178,7 +180,7 @@ class Supervisor:
                   self._handoff, (sock.fileno(),))
             for i, sock in enumerate(socks)]
         if settings.grpc_port:
-            _check_free(settings.host, settings.grpc_port, "--grpc-port")
+            check_free(settings.host, settings.grpc_port, "--grpc-port")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("supervisor: 1 engine and %d front ends on http://%s:%d", settings.workers, settings.host,

@@ -1,8 +1,12 @@
 """The CLI: flags, environment variables and their precedence; settings validation."""
 
+import importlib.metadata
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -10,7 +14,7 @@ from pydantic import ValidationError
 from fusedserve.service.cli import parser, settings_from_args
 from fusedserve.service.settings import Settings, default_workers, usable_cores
 
-from .conftest import ROOT
+from .conftest import ROOT, Server, free_ports
 
 
 def test_flags_override_environment(monkeypatch, tmp_path):
@@ -103,3 +107,34 @@ def test_background_tuning_flag_and_environment(monkeypatch, capsys):
     assert "expected on or off" in capsys.readouterr().err
     assert Settings().parallel_compile is True
     assert settings_from_args(parser().parse_args(["serve", "--parallel-compile", "off"])).parallel_compile is False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("taken", ["--port", "--grpc-port"])
+def test_one_process_with_a_taken_port_exits_at_once_in_one_line(repository, tmp_path, taken):
+    port, grpc_port = free_ports(2)
+    held = port if taken == "--port" else grpc_port
+    with socket.create_server(("127.0.0.1", held)):  # another program listening there
+        start = time.monotonic()
+        server = Server(repository, tmp_path / "server.log", "--workers", "1", "--port", str(port),
+                        "--grpc-port", str(grpc_port))
+        try:
+            code = server.proc.wait(timeout=30)
+        finally:
+            server.stop()
+    log = server.log.read_text()
+    # Checked before anything loads: no model line, no traceback, within seconds.
+    assert code == 1 and time.monotonic() - start < 20, log
+    assert len(log.strip().splitlines()) == 1 and "Traceback" not in log, log
+    assert f"127.0.0.1:{held}" in log and f"Choose another with {taken}" in log, log
+
+
+@pytest.mark.timeout(60)
+def test_version_prints_the_installed_version():
+    version = importlib.metadata.version("fusedserve")
+    declared = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert version == declared, "the installed metadata is stale: reinstall (pip install -e .)"
+    script = os.path.join(os.path.dirname(sys.executable), "fusedserve")
+    for argv in ([sys.executable, "-m", "fusedserve", "--version"], [script, "--version"]):
+        out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
+        assert (out.returncode, out.stdout) == (0, f"fusedserve {version}\n"), (argv, out.stdout, out.stderr)
