@@ -2,16 +2,19 @@
 rows once, here, by ``service.tensors``' rules; outputs go back in ``raw_output_contents`` (what
 Triton always sends and the only form ``tritonclient.grpc`` reads) when the input came raw, as
 ``tritonclient`` sends it, or in typed ``contents.fp32_contents`` when it came typed. A request
-parameter ``binary_data_output`` (bool) chooses either way explicitly."""
+parameter ``binary_data_output`` (bool) chooses either way explicitly. Model configuration and
+statistics are ``http.v2_body``'s JSON bodies parsed into their messages: one home for both protocols."""
 
 from __future__ import annotations
 
 import numpy as np
-from tritonclient.grpc import service_pb2 as pb
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2 as pb
 
 from fusedserve.service import tensors
 from fusedserve.service.engine.state import ModelInfo
 from fusedserve.service.errors import BadInput
+from fusedserve.service.http import v2_body
 from fusedserve.service.http.codec import check_rows
 from fusedserve.service.tensors import OUTPUT
 
@@ -102,6 +105,18 @@ def model_metadata(info: ModelInfo):
                                     outputs=[tensor(**t) for t in meta["outputs"]])
 
 
-def server_metadata():
+def server_metadata(control_served: bool):
     return pb.ServerMetadataResponse(name=tensors.SERVER_NAME, version=tensors.SERVER_VERSION,
-                                     extensions=list(tensors.EXTENSIONS))
+                                     extensions=v2_body.extensions(control_served))
+
+
+def model_config(info: ModelInfo, max_batch_size: int, max_delay_ms: float):
+    """``ModelConfigResponse`` from the same body as HTTP's ``GET /v2/models/{m}/config``."""
+    config = json_format.ParseDict(v2_body.model_config(info, max_batch_size, max_delay_ms),
+                                   model_config_pb2.ModelConfig())
+    return pb.ModelConfigResponse(config=config)
+
+
+def statistics(body: dict):
+    """``ModelStatisticsResponse`` from HTTP's statistics body (``v2_body.statistics``)."""
+    return json_format.ParseDict(body, pb.ModelStatisticsResponse())

@@ -3,8 +3,9 @@ our own HTTP/2 connections (``service.grpc.h2``) in the HTTP app's event loop. T
 ``Engine``; a client's mistake is answered with the status code its ``ServiceError`` names
 (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash.
 ModelStreamInfer answers each request of a stream with its id (a mistake in ``error_message``, the
-stream going on). Methods not listed here (model config, statistics, shared-memory control) answer
-UNIMPLEMENTED; the repository methods are ``ModelControl``'s, as over HTTP."""
+stream going on). Model configuration and statistics are HTTP's bodies (``http.v2_body``) as messages.
+Methods not listed here (shared-memory control, trace, log settings) answer UNIMPLEMENTED; the
+repository methods are ``ModelControl``'s, as over HTTP."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from fusedserve.service.errors import (
     log_unexpected,
 )
 from fusedserve.service.grpc import calls, codec, h2, h2_limits
+from fusedserve.service.http import v2_body
 from fusedserve.service.security import Guard
 from fusedserve.service.settings import Settings
 
@@ -68,12 +70,13 @@ def _answers_errors(method):
 class InferenceServicer:
     """The methods of ``GRPCInferenceService`` served here, by their names in the service."""
 
-    def __init__(self, engine: Engine, max_rows: int, timeout_s: float, control=None):
+    def __init__(self, engine: Engine, max_rows: int, timeout_s: float, control=None, max_delay_ms: float = 0.0):
         self._engine = engine
         self._control = control  # service.engine.model_control.ModelControl: the repository methods
         self._max_rows = max_rows
         self._timeout_s = timeout_s
-        self._server_metadata = codec.server_metadata()
+        self._max_delay_ms = max_delay_ms  # the model configuration's dynamic batching delay
+        self._server_metadata = codec.server_metadata(control is not None)
 
     def _known(self, name: str, version: str) -> ModelInfo:
         """A loaded model, warm or not (metadata and readiness need no warm model)."""
@@ -108,6 +111,18 @@ class InferenceServicer:
     @_answers_errors
     async def ModelMetadata(self, request, context):
         return codec.model_metadata(self._known(request.name, request.version))
+
+    @_answers_errors
+    async def ModelConfig(self, request, context):
+        info = self._known(request.name, request.version)
+        return codec.model_config(info, self._max_rows, self._max_delay_ms)
+
+    @_answers_errors
+    async def ModelStatistics(self, request, context):
+        """One model's statistics, or every model's for an empty name, as Triton."""
+        infos = ([self._known(request.name, request.version)] if request.name
+                 else list(self._engine.models().values()))
+        return codec.statistics(await v2_body.statistics(self._engine, infos))
 
     @_answers_errors
     async def RepositoryIndex(self, request, context):
@@ -244,7 +259,8 @@ class GrpcServer:
         self.host, self.port = settings.host, settings.grpc_port
         self.address = _address(settings.host, settings.grpc_port)
         guard = Guard(settings)
-        servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000, control)
+        servicer = InferenceServicer(engine, settings.rows_per_request, settings.request_timeout_ms / 1000, control,
+                                     settings.max_delay_ms)
         self.methods = methods(servicer)  # what h2.Connection reads: these six attributes
         self.refuse = key_check(guard) if guard.keyed else None
         self.max_message = settings.max_body_bytes

@@ -1,6 +1,8 @@
 """The KServe v2 REST inference bodies, read by the v2 route and by the hot path alike: the model a
 request's path names, the JSON header and the binary tensor data extension's bytes after it to float32
-rows, and the answer as JSON tensors or binary ones. The tensor rules are ``service.tensors``'s."""
+rows, and the answer as JSON tensors or binary ones; and the bodies of the Triton extensions tools read
+first (model configuration, statistics, the extensions served), which gRPC's codec turns into its
+messages. The tensor rules are ``service.tensors``'s."""
 
 from __future__ import annotations
 
@@ -21,6 +23,51 @@ def model_info(engine: Engine, name: str, version: str | None) -> ModelInfo:
     info = engine.model(name)
     tensors.check_version(info, version)
     return info
+
+
+def extensions(control_served: bool) -> list[str]:
+    """``tensors.EXTENSIONS`` less model_repository where no model control answers (a front end of
+    --workers N): server metadata lists only what answers."""
+    return [e for e in tensors.EXTENSIONS if control_served or e != "model_repository"]
+
+
+def model_config(info: ModelInfo, max_batch_size: int, max_delay_ms: float) -> dict:
+    """Triton's model configuration (its HTTP JSON; ``ParseDict`` makes gRPC's ``ModelConfig``) from
+    the model's metadata: dims leave out the batch dimension, which ``max_batch_size`` implies."""
+    meta = tensors.metadata(info)
+
+    def tensor(t: dict) -> dict:
+        return {"name": t["name"], "data_type": f"TYPE_{t['datatype']}", "dims": t["shape"][1:]}
+
+    return {"name": meta["name"], "platform": meta["platform"], "backend": tensors.SERVER_NAME,
+            "max_batch_size": max_batch_size,
+            "input": [tensor(t) for t in meta["inputs"]], "output": [tensor(t) for t in meta["outputs"]],
+            # the batcher waits at most --max-delay-ms for a batch to fill; it has no preferred sizes
+            "dynamic_batching": {"max_queue_delay_microseconds": round(max_delay_ms * 1000)}}
+
+
+async def statistics(engine: Engine, infos: list[ModelInfo]) -> dict:
+    """Triton's statistics response (HTTP JSON; ``ParseDict`` makes gRPC's) for ``infos``."""
+
+    def ns(seconds: float) -> int:
+        return int(seconds * 1e9)
+
+    stats = []
+    for info in infos:
+        c = await engine.model_counts(info.name)
+        stats.append({
+            "name": info.name, "version": info.version, "last_inference": c["last_inference_ms"],
+            "inference_count": c["rows"], "execution_count": c["batches"],
+            "inference_stats": {
+                "success": {"count": c["success"], "ns": ns(c["success_s"])},
+                "fail": {"count": c["failures"], "ns": ns(c["failure_s"])},
+                "queue": {"count": c["wait_count"], "ns": ns(c["wait_total_s"])},
+                "compute_infer": {"count": c["batches"], "ns": ns(c["compute_s"])},
+            },
+            "batch_stats": [{"batch_size": int(size), "compute_infer": {"count": count}}
+                            for size, count in sorted(c["batch_sizes"].items())],
+        })
+    return {"model_stats": stats}
 
 
 def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:

@@ -24,14 +24,29 @@ EngineDep = Annotated[Engine, Depends(get_engine)]
 
 
 @router.get("", summary="Server metadata")
-async def server_metadata() -> dict:
-    return {"name": tensors.SERVER_NAME, "version": tensors.SERVER_VERSION, "extensions": list(tensors.EXTENSIONS)}
+async def server_metadata(request: Request) -> dict:
+    return {"name": tensors.SERVER_NAME, "version": tensors.SERVER_VERSION,
+            "extensions": v2_body.extensions(request.app.state.control is not None)}
+
+
+# Before /models/{model}: Triton's path for every model's statistics (tritonclient's model name "").
+@router.get("/models/stats", summary="Inference statistics of every model (Triton's format)")
+async def all_model_stats(engine: EngineDep) -> dict:
+    return await v2_body.statistics(engine, list(engine.models().values()))
 
 
 @router.get("/models/{model}", summary="Model metadata")
 @router.get("/models/{model}/versions/{version}", include_in_schema=False)
 async def model_metadata(engine: EngineDep, model: str, version: str | None = None) -> dict:
     return tensors.metadata(v2_body.model_info(engine, model, version))
+
+
+@router.get("/models/{model}/config", summary="Model configuration (Triton's, for perf_analyzer and model_analyzer)")
+@router.get("/models/{model}/versions/{version}/config", include_in_schema=False)
+async def model_config(state: State, engine: EngineDep, model: str, version: str | None = None) -> dict:
+    settings = state.settings
+    return v2_body.model_config(v2_body.model_info(engine, model, version), settings.rows_per_request,
+                                settings.max_delay_ms)
 
 
 @router.get("/models/{model}/ready", summary="Model readiness")
@@ -61,21 +76,4 @@ async def model_infer(request: Request, state: State, engine: EngineDep, model: 
 @router.get("/models/{model}/stats", summary="Inference statistics (Triton's format)")
 @router.get("/models/{model}/versions/{version}/stats", include_in_schema=False)
 async def model_stats(engine: EngineDep, model: str, version: str | None = None) -> dict:
-    info = v2_body.model_info(engine, model, version)
-    c = await engine.model_counts(info.name)
-
-    def ns(seconds: float) -> int:
-        return int(seconds * 1e9)
-
-    return {"model_stats": [{
-        "name": info.name, "version": info.version, "last_inference": c["last_inference_ms"],
-        "inference_count": c["rows"], "execution_count": c["batches"],
-        "inference_stats": {
-            "success": {"count": c["success"], "ns": ns(c["success_s"])},
-            "fail": {"count": c["failures"], "ns": ns(c["failure_s"])},
-            "queue": {"count": c["wait_count"], "ns": ns(c["wait_total_s"])},
-            "compute_infer": {"count": c["batches"], "ns": ns(c["compute_s"])},
-        },
-        "batch_stats": [{"batch_size": int(size), "compute_infer": {"count": count}}
-                        for size, count in sorted(c["batch_sizes"].items())],
-    }]}
+    return await v2_body.statistics(engine, [v2_body.model_info(engine, model, version)])
