@@ -122,6 +122,9 @@ def test_server_metadata_lists_only_extensions_that_answer(server, request):
     if "statistics" in listed:
         assert server.http.get_inference_statistics("tiny")["model_stats"]
         assert server.grpc.get_inference_statistics("tiny").model_stats
+    assert "model_configuration" in listed, listed
+    assert server.http.get_model_config("tiny")["name"] == "tiny"
+    assert server.grpc.get_model_config("tiny").config.name == "tiny"
     one_process = request.node.callspec.params["server"] == "1"
     assert ("model_repository" in listed) == one_process, listed  # --workers N serves no model control
     if one_process:
