@@ -99,8 +99,10 @@ class LocalEngine:
         except (ServiceError, asyncio.CancelledError):  # cancelled: a gRPC client left or its deadline passed
             state.stats.record_request(model, ok=False, seconds=time.perf_counter() - t0)
             raise
-        state.stats.record_request(model, ok=True, seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        state.stats.record_request(model, ok=True, seconds=seconds)
         state.metrics.record_request(model, "ok")
+        state.metrics.record_duration(model, seconds)
         return out
 
     def submit(self, model: str, rows: np.ndarray, timeout_s: float, answer: Callable, origin: int = 0,
@@ -123,9 +125,11 @@ class LocalEngine:
         def done(future: asyncio.Future) -> None:
             timer.cancel()
             ok = not future.cancelled() and future.exception() is None
-            state.stats.record_request(model, ok=ok, seconds=time.perf_counter() - t0, count=requests)
+            seconds = time.perf_counter() - t0
+            state.stats.record_request(model, ok=ok, seconds=seconds, count=requests)
             if ok:
                 state.metrics.record_request(model, "ok", requests)
+                state.metrics.record_duration(model, seconds, requests)
                 answer(future.result(), None)
             elif not future.cancelled():  # cancelled: withdrawn, the front end already answered its client
                 answer(None, future.exception())

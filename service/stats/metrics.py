@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:  # a front-end process of --workers N never imports torch (models/)
@@ -60,9 +60,11 @@ class Metrics:
     def __init__(self, on_request: Callable[[str, str], None] | None = None):
         """``on_request(model, outcome)`` also hears every request counted (the stats object's
         ``record_outcome``: errors by status there clear on reset, Prometheus counters never do)."""
+        disable_created_metrics()  # no *_created twin beside every counter and histogram
         self.registry = CollectorRegistry()
         self._on_request = on_request
         r = self.registry
+        ProcessCollector(registry=r)  # CPU, memory, descriptors of the process that serves /metrics
         self.requests = Counter("fusedserve_requests", "Inference requests by model and outcome",
                                 ["model", "outcome"], registry=r)
         self.rows = Counter("fusedserve_rows", "Rows computed", ["model"], registry=r)
@@ -72,9 +74,14 @@ class Metrics:
                                  ["model"], buckets=_TIME_BUCKETS, registry=r)
         self.batch_rows = Histogram("fusedserve_batch_rows", "Rows per batch", ["model"],
                                     buckets=_ROW_BUCKETS, registry=r)
-        self.kernel_seconds = Counter("fusedserve_kernel_seconds", "Device time of layer launches",
+        self.duration = Histogram("fusedserve_request_duration_seconds",
+                                  "Time from a request reaching a model's queue to its answer (queue wait and "
+                                  "batch), by model", ["model"], buckets=_TIME_BUCKETS, registry=r)
+        # Timing samples a share of batches (kernel stats say which): these count the timed launches.
+        self.kernel_seconds = Counter("fusedserve_kernel_seconds", "Device time of the layer launches timed",
                                       ["model", "layer", "kernel"], registry=r)
-        self.kernel_launches = Counter("fusedserve_kernel_launches", "Layer launches",
+        self.kernel_launches = Counter("fusedserve_kernel_launches",
+                                       "Layer launches timed (a sample of batches, not every launch)",
                                        ["model", "layer", "kernel"], registry=r)
         self.unexpected = Counter("fusedserve_unexpected_errors",
                                   "Requests answered with an internal error by a bug, by front end (http, grpc)",
@@ -83,6 +90,7 @@ class Metrics:
         self._children: dict[str, tuple] = {}
         self._layers: dict[tuple[str, str, str], tuple] = {}
         self._requests: dict[tuple[str, str], object] = {}
+        self._durations: dict[str, object] = {}
 
     def watch_queues(self, queues: Mapping[str, _Queue]) -> None:
         """Export ``queued_rows`` of every queue in ``queues`` (a live mapping, read at each scrape)."""
@@ -115,6 +123,13 @@ class Metrics:
         compute.observe(compute_s)
         for w in waits:
             wait.observe(w)
+
+    def record_duration(self, model: str, seconds: float, count: int = 1) -> None:
+        child = self._durations.get(model)
+        if child is None:
+            child = self._durations[model] = self.duration.labels(model)
+        for _ in range(count):
+            child.observe(seconds)
 
     def record_request(self, model: str, outcome: str, count: int = 1) -> None:
         key = (model, outcome)

@@ -211,6 +211,9 @@ async def test_metrics_count_requests_rows_and_kernel_time(client):
                  'fusedserve_batch_rows_count{model="tiny"} 1.0'):
         assert line in text, f"/metrics lacks {line!r}"
     assert 'fusedserve_kernel_seconds_total{kernel=' in text and 'layer="layers.1"' in text
+    assert 'fusedserve_request_duration_seconds_count{model="tiny"} 1.0' in text, "one answered request"
+    assert "_created" not in text, "every series has a *_created twin"
+    assert "process_resident_memory_bytes" in text and "process_open_fds" in text, "no process metrics"
 
 
 async def test_serving_cpu_models_sets_torch_threads(repository):
