@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     exit_on_error: bool = True
     # HTTP connections (service.http.connection): request line + headers over this many bytes get 431; a
     # request head or body not fully received in time gets 408; connections past the cap get 503
-    # (0: 4096, or fewer under a lower open-file limit). gRPC (service.connections): the same cap,
+    # (0: 4096, or fewer under a lower open-file limit). gRPC (service.grpc.policy): the same cap,
     # counted apart (GOAWAY past it), each protocol within its share of the open-file limit; the
     # HTTP/2 preface and SETTINGS are due within header_timeout_s (clients send them in their first
     # write; grpc-go's 120 s also covers a TLS handshake), a request message within body_timeout_s

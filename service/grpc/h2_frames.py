@@ -110,7 +110,7 @@ class FrameConnection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.watch = None  # what service.connections' timers know of this connection
+        self.watch = None  # what service.grpc.policy's timers know of this connection
         policy = getattr(self.server, "policy", None)  # a test's stand-in server may have none
         if policy is not None and not policy.admit(self):  # over the cap or the descriptor budget
             self.failed = True

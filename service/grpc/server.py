@@ -15,7 +15,7 @@ import logging
 
 from tritonclient.grpc import service_pb2 as pb
 
-from fusedserve.service import connections, tensors
+from fusedserve.service import tensors
 from fusedserve.service.engine.client import Engine
 from fusedserve.service.engine.state import ModelInfo
 from fusedserve.service.errors import (
@@ -27,7 +27,7 @@ from fusedserve.service.errors import (
     UnknownModel,
     log_unexpected,
 )
-from fusedserve.service.grpc import calls, codec, h2, h2_limits
+from fusedserve.service.grpc import calls, codec, h2, h2_limits, policy
 from fusedserve.service.http import v2_body
 from fusedserve.service.security import Guard
 from fusedserve.service.settings import Settings
@@ -266,7 +266,7 @@ class GrpcServer:
         self.max_message = settings.max_body_bytes
         self.limits = h2_limits.Limits.of(settings)
         self.connections: set[h2.Connection] = set()
-        self.policy = connections.GrpcPolicy(settings, self.connections)  # the cap, the budget, the timers
+        self.policy = policy.GrpcPolicy(settings, self.connections)  # the cap, the budget, the timers
         self.draining = False
         self._listener: asyncio.AbstractServer | None = None
         self._stopping: asyncio.Future | None = None

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from fusedserve.service.connections import GrpcPolicy, Watch
+from fusedserve.service.grpc.policy import GrpcPolicy, Watch
 from fusedserve.service.settings import Settings
 
 from .conftest import Server, write_repository
