@@ -75,8 +75,9 @@ class Metrics:
         self.batch_rows = Histogram("fusedserve_batch_rows", "Rows per batch", ["model"],
                                     buckets=_ROW_BUCKETS, registry=r)
         self.duration = Histogram("fusedserve_request_duration_seconds",
-                                  "Time from a request reaching a model's queue to its answer (queue wait and "
-                                  "batch), by model", ["model"], buckets=_TIME_BUCKETS, registry=r)
+                                  "Time from a request reaching a model's queue to its outputs (queue wait and "
+                                  "batch), by model; requests answered with an error are not in it",
+                                  ["model"], buckets=_TIME_BUCKETS, registry=r)
         # Timing samples a share of batches (kernel stats say which): these count the timed launches.
         self.kernel_seconds = Counter("fusedserve_kernel_seconds", "Device time of the layer launches timed",
                                       ["model", "layer", "kernel"], registry=r)
