@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 
+from fusedserve import __version__
 from fusedserve.service.logs import FORMATS, configure
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -77,7 +77,7 @@ _FLAGS = {
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="fusedserve", description="Serve MLPs on fused Triton kernels.")
-    top.add_argument("--version", action="version", version=f"fusedserve {importlib.metadata.version('fusedserve')}")
+    top.add_argument("--version", action="version", version=f"fusedserve {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model repository over HTTP and gRPC")
     for flag, (field, kind, help_text) in _FLAGS.items():

@@ -11,6 +11,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
+import fusedserve
 from fusedserve.service.cli import parser, settings_from_args
 from fusedserve.service.settings import Settings, default_workers, usable_cores
 
@@ -134,6 +135,7 @@ def test_version_prints_the_installed_version():
     version = importlib.metadata.version("fusedserve")
     declared = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert version == declared, "the installed metadata is stale: reinstall (pip install -e .)"
+    assert fusedserve.__version__ == version
     script = os.path.join(os.path.dirname(sys.executable), "fusedserve")
     for argv in ([sys.executable, "-m", "fusedserve", "--version"], [script, "--version"]):
         out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
