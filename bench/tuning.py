@@ -1,0 +1,104 @@
+"""How long tuning a model takes, and where the time goes: compiling or timing.
+
+    python bench/tuning.py                      # two models, every bucket up to --max-batch-size
+    python bench/tuning.py --models 1024-4096-1024:float16 --max-batch-size 128
+
+For each model (``IN-HIDDEN...-OUT:DTYPE``, random weights) on a fresh tune cache and a fresh Triton
+cache: warm every bucket on provisional choices (what start-up compiles), then tune every bucket as
+the background tuner's worker does (``ModelRunner.tune``: every candidate of every layer and path
+compiled and timed). Then the tune cache is emptied and the buckets tuned again in the same process,
+whose compiled kernels are all in memory: that pass is the timing alone, so the difference is
+compiling. Appends one line to ``OUT/tuning.jsonl``: per model and bucket, the warm-up, cold-tune and
+timing-only seconds (issue 36's target: a model's background tuning within 20 s).
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from bench import runs  # noqa: E402
+
+DEFAULT_MODELS = ("512-2048-2048-2048-256:bfloat16", "1024-4096-1024:float16")
+
+
+def parse_model(text: str) -> tuple[list[int], str]:
+    widths, _, dtype = text.partition(":")
+    sizes = [int(w) for w in widths.split("-")]
+    if len(sizes) < 2 or min(sizes) < 1 or dtype not in ("float32", "float16", "bfloat16"):
+        raise argparse.ArgumentTypeError(f"expected IN-HIDDEN...-OUT:DTYPE, got {text!r}")
+    return sizes, dtype
+
+
+def fresh_caches() -> None:
+    """An empty tune cache for what follows in this process (Triton keeps its compiled kernels)."""
+    from fusedserve.kernels import choosing, tune_cache
+
+    os.environ[tune_cache.ENV_VAR] = tempfile.mkdtemp(prefix="fusedserve-tune-")
+    tune_cache.device_cache.cache_clear()
+    choosing._provisional.clear()
+
+
+def runner_for(sizes, dtype, max_batch_size):
+    from fusedserve.models.mlp import MLP, MLPConfig
+    from fusedserve.models.runner import ModelRunner
+
+    config = MLPConfig(sizes[0], tuple(sizes[1:-1]), sizes[-1], "relu", dtype)
+    model = MLP(config, backend="triton", device="cuda").eval().requires_grad_(False)
+    runner = ModelRunner(model, max_batch_size=max_batch_size, cuda_graphs=False, provisional=True)
+    runner.input_buffer.uniform_(0, 4)
+    return runner
+
+
+def seconds_of(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return round(time.perf_counter() - start, 3)
+
+
+def measure(sizes, dtype, max_batch_size, log) -> list[dict]:
+    fresh_caches()
+    runner = runner_for(sizes, dtype, max_batch_size)
+    rows = [dict(model="-".join(map(str, sizes)), dtype=dtype, bucket=b, warm_s=seconds_of(lambda b=b: runner.warm(b)))
+            for b in runner.buckets]
+    for row in rows:
+        row["tune_cold_s"] = seconds_of(lambda b=row["bucket"]: runner.tune(b))
+    fresh_caches()
+    for row in rows:
+        row["tune_timing_only_s"] = seconds_of(lambda b=row["bucket"]: runner.tune(b))
+        log(f"  {row}")
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    runs.arguments(parser)
+    parser.add_argument("--models", nargs="+", type=parse_model, default=[parse_model(m) for m in DEFAULT_MODELS])
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/tuning.py needs a CUDA GPU")
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-cache-"))
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    run = runs.Run("tuning", args.out, gpu=torch.cuda.get_device_name(), note=args.note, torch=torch.__version__,
+                   max_batch_size=args.max_batch_size, triton_cache="fresh" if "triton-cache-" in
+                   os.environ["TRITON_CACHE_DIR"] else "given")
+    rows = []
+    for sizes, dtype in args.models:
+        log(f"model {sizes} {dtype}")
+        rows += measure(sizes, dtype, args.max_batch_size, log)
+        totals = {k: round(sum(r[k] for r in rows if r["model"] == "-".join(map(str, sizes))), 1)
+                  for k in ("warm_s", "tune_cold_s", "tune_timing_only_s")}
+        log(f"model {sizes} {dtype}: {totals}")
+        run.save(rows, complete=False)
+    run.save(rows, complete=True)
+
+
+if __name__ == "__main__":
+    main()
