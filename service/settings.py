@@ -39,6 +39,11 @@ def _shipped_repository() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "repository"
 
 
+def _one_device(value: str) -> bool:
+    """Whether ``value`` names one device: cpu, cuda or cuda:<index>."""
+    return value in ("cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FUSEDSERVE_", protected_namespaces=())
 
@@ -51,6 +56,10 @@ class Settings(BaseSettings):
     workers: int = Field(default_factory=default_workers, ge=1)
     model_repository: Path = Field(default_factory=_shipped_repository)
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:<index>"
+    # One engine process per entry (service.workers.devices): "auto" (every visible GPU when device is
+    # auto, else device alone), "all" (every visible GPU), or a list ("cuda:0,cuda:2"; "cpu,cpu" runs
+    # two CPU engines that share the cores, for tests). Several engines start the supervisor.
+    devices: str = "auto"
     backend: str = "auto"  # "auto", "triton" or "torch"
     max_batch_size: int = Field(64, ge=1)
     max_delay_ms: float = Field(2.0, ge=0.0)
@@ -135,10 +144,35 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
-        ok = value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
-        if not ok:
+        if value != "auto" and not _one_device(value):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:<index>, got {value!r}")
         return value
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        if value in ("auto", "all"):
+            return value
+        entries = [entry.strip() for entry in value.split(",")]
+        bad = [entry for entry in entries if not _one_device(entry)]
+        if bad:
+            raise ValueError(f"devices must be auto, all, or a comma-separated list of cpu, cuda and "
+                             f"cuda:<index>; {bad[0]!r} is none of them (in {value!r})")
+        gpus = [entry for entry in entries if entry != "cpu"]
+        if len(set(gpus)) < len(gpus) or ("cuda" in gpus and "cuda:0" in gpus):
+            raise ValueError(f"devices names a GPU twice ({value!r}): one engine per GPU")
+        return ",".join(entries)
+
+    @model_validator(mode="after")
+    def _check_device_kinds(self) -> Settings:
+        kind = self.device.split(":")[0]
+        kinds = {entry.split(":")[0] for entry in self.devices.split(",")} - {"auto", "all"}
+        if self.devices == "all":
+            kinds = {"cuda"}
+        if self.device != "auto" and kinds and kinds != {kind}:
+            raise ValueError(f"device {self.device!r} and devices {self.devices!r} disagree: set devices "
+                             "alone (each engine runs on its entry)")
+        return self
 
     @field_validator("backend")
     @classmethod
