@@ -16,6 +16,7 @@
 #   warm, for the shipped repository and digits + a 4x2048 bf16 model at --max-batch-size 256
 #   (bench/startup.py). start-up-tuning: then background tuning under traffic (answers checked, p99
 #   while tuning vs after).
+# tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
@@ -208,6 +209,8 @@ for s in "${stages[@]}"; do
         start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --out "$out" ;;
         start-up-tuning) stage start-up-tuning 580 python3 bench/startup.py --tuning --ready-timeout-s 120 \
             --tuning-timeout-s 360 --out "$out" ;;
+        tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} \
+            --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
             --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" "${kernels_out[@]}" \
             --plot "$out/kernels-random_$gpu.png" ;;
