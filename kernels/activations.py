@@ -2,6 +2,9 @@
 are tested against, and what the torch backend runs) and, in ``apply_activation``, what every
 kernel's epilogue computes. The Triton and the Gluon kernels all compile ``_activate``, whose ``else``
 branch fails the compile, so a name added to the table alone cannot run as the identity.
+"gelu" is GELU's tanh approximation (what stored models mean by it); "gelu_erf" is the exact form.
+``OUTPUT_ACTIVATIONS`` are row-wise, so no epilogue computes them: only a model's last layer may
+have one, and torch applies it to that layer's kernel output (``split_activation``).
 """
 
 import torch
@@ -14,14 +17,39 @@ ACTIVATIONS = {
     "none": lambda y: y,
     "relu": F.relu,
     "gelu": lambda y: F.gelu(y, approximate="tanh"),
+    "gelu_erf": F.gelu,
     "silu": F.silu,
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
 }
 
+# Row-wise: softmax over each output row, computed in float32 whatever the model dtype.
+OUTPUT_ACTIVATIONS = {
+    "softmax": lambda y: torch.softmax(y, dim=-1, dtype=torch.float32).to(y.dtype),
+}
+
+
+def split_activation(name: str):
+    """``(epilogue, after)`` for activation ``name``: the ``ACTIVATIONS`` name a kernel's epilogue
+    applies, and the row-wise function torch applies to the kernel's output (None if none)."""
+    if name in OUTPUT_ACTIVATIONS:
+        return "none", OUTPUT_ACTIVATIONS[name]
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS | OUTPUT_ACTIVATIONS)}, got {name!r}")
+    return name, None
+
+
+def torch_activation(name: str):
+    """What torch computes for activation ``name``, elementwise or row-wise."""
+    epilogue, after = split_activation(name)
+    return after or ACTIVATIONS[epilogue]
+
+
 # sqrt(2 / pi), the constant of the tanh approximation of GELU (a constexpr: jit code may only
 # read globals that are).
 _GELU_TANH_C = tl.constexpr(0.7978845608028654)
+# 1 / sqrt(2), for the exact GELU: x * (1 + erf(x / sqrt(2))) / 2.
+_SQRT_HALF = tl.constexpr(0.7071067811865476)
 
 
 def _activate(acc, ACTIVATION: tl.constexpr):
@@ -33,6 +61,8 @@ def _activate(acc, ACTIVATION: tl.constexpr):
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): core Triton has no tanh.
         u = _GELU_TANH_C * (acc + 0.044715 * acc * acc * acc)
         acc = acc * (1 / (1 + tl.exp(-(2.0 * u))))
+    elif ACTIVATION == "gelu_erf":
+        acc = 0.5 * acc * (1 + tl.math.erf(acc * _SQRT_HALF))
     elif ACTIVATION == "silu":
         acc = acc * (1 / (1 + tl.exp(-acc)))
     elif ACTIVATION == "sigmoid":

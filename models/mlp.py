@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedserve.kernels.activations import ACTIVATIONS
+from fusedserve.kernels.activations import ACTIVATIONS, OUTPUT_ACTIVATIONS, split_activation, torch_activation
 from fusedserve.kernels.rules import m_bucket
 
 BACKENDS = ("triton", "torch")
@@ -30,7 +30,7 @@ def normalize_rows(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dt
 
 
 def reference_layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, act) -> torch.Tensor:
-    """The torch backend's layer, ``act(x @ weight^T + bias)`` (``act``: an ``ACTIVATIONS`` entry)."""
+    """The torch backend's layer, ``act(x @ weight^T + bias)`` (``act``: ``torch_activation`` of a name)."""
     return act(F.linear(x, weight, bias))
 
 
@@ -50,7 +50,9 @@ def run_layers(x: torch.Tensor, layers, hook=None) -> torch.Tensor:
 class MLPConfig:
     """Shape of an MLP: ``in -> hidden[0] -> ... -> hidden[-1] -> out``.
 
-    Every layer but the last applies ``activation``; the last one is linear (logits/regression).
+    ``activation``: what every hidden layer applies (one name), or one name per hidden layer (a
+    list). The last layer applies ``output_activation``: "none" (logits, regression), another
+    ``ACTIVATIONS`` name (a sigmoid head) or an ``OUTPUT_ACTIVATIONS`` one ("softmax").
     ``dtype`` names the dtype of weights and activations ("float32", "float16", "bfloat16").
     Inputs are normalized inside the model (``(x - input_shift) * input_scale``, per feature),
     so clients send raw feature values.
@@ -59,9 +61,10 @@ class MLPConfig:
     in_features: int
     hidden_features: tuple[int, ...]
     out_features: int
-    activation: str = "relu"
+    activation: str | tuple[str, ...] = "relu"
     dtype: str = "float32"
-    _keys = ("in_features", "hidden_features", "out_features", "activation", "dtype")
+    output_activation: str = "none"
+    _keys = ("in_features", "hidden_features", "out_features", "activation", "dtype", "output_activation")
 
     def __post_init__(self):
         for name in ("in_features", "out_features"):
@@ -75,12 +78,26 @@ class MLPConfig:
             if isinstance(width, bool) or not isinstance(width, int) or width < 1:
                 raise ValueError(f"hidden_features must hold positive integers, got {width!r}")
         object.__setattr__(self, "hidden_features", tuple(hidden))
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}"
-            )
+        self._check_activations()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    def _check_activations(self) -> None:
+        names = self.activation
+        if isinstance(names, (list, tuple)):
+            if len(names) != len(self.hidden_features):
+                raise ValueError(f"activation must name one activation per hidden layer "
+                                 f"({len(self.hidden_features)}), got {len(names)}: {list(names)}")
+            object.__setattr__(self, "activation", tuple(names))
+        for name in (names,) if isinstance(names, str) else names:
+            if not isinstance(name, str) or name not in ACTIVATIONS:
+                row_wise = isinstance(name, str) and name in OUTPUT_ACTIVATIONS
+                raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}"
+                                 + (" (row-wise: only output_activation may be it)" if row_wise else ""))
+        output = self.output_activation
+        if not isinstance(output, str) or (output not in ACTIVATIONS and output not in OUTPUT_ACTIVATIONS):
+            raise ValueError(f"output_activation must be one of {sorted(ACTIVATIONS | OUTPUT_ACTIVATIONS)}, "
+                             f"got {output!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -91,9 +108,23 @@ class MLPConfig:
         """Feature widths from input to output: ``(in, *hidden, out)``."""
         return (self.in_features, *self.hidden_features, self.out_features)
 
+    @property
+    def activations(self) -> tuple[str, ...]:
+        """Each layer's activation, first layer first; the last is ``output_activation``."""
+        hidden = self.activation
+        if isinstance(hidden, str):
+            hidden = (hidden,) * len(self.hidden_features)
+        return (*hidden, self.output_activation)
+
     def to_dict(self) -> dict:
+        """The config as written to ``config.json``; ``output_activation`` only when it is not
+        "none", so a model without one keeps the file it always had."""
         data = asdict(self)
         data["hidden_features"] = list(self.hidden_features)
+        if not isinstance(self.activation, str):
+            data["activation"] = list(self.activation)
+        if self.output_activation == "none":
+            del data["output_activation"]
         return data
 
     @classmethod
@@ -125,10 +156,8 @@ class FusedLinear(nn.Module):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
-            )
+        # The kernel's epilogue computes the elementwise part; a row-wise one (softmax) runs after it.
+        self._epilogue, self._after = split_activation(activation)
         if backend == "triton":
             # Imported here so the torch backend never needs Triton (nor its interpreter set-up).
             from fusedserve.kernels import fused_linear_with_choice
@@ -150,11 +179,11 @@ class FusedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in_features] -> [M, out_features]
         if self.backend == "triton":
-            y, choice = self._fused_linear(x, self.weight, self.bias, self.activation, static_weight=self.static_weight)
+            y, choice = self._fused_linear(x, self.weight, self.bias, self._epilogue, static_weight=self.static_weight)
             if choice is not None:  # (None: no kernel ran, M, N or K is 0)
                 self.choices[m_bucket(math.prod(x.shape[:-1]))] = choice
-            return y
-        return reference_layer(x, self.weight, self.bias, ACTIVATIONS[self.activation])
+            return y if self._after is None else self._after(y)
+        return reference_layer(x, self.weight, self.bias, torch_activation(self.activation))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -162,19 +191,17 @@ class FusedLinear(nn.Module):
 
 
 class MLP(nn.Module):
-    """Input normalization followed by fused linear layers; the last layer has no activation."""
+    """Input normalization followed by fused linear layers, each with its activation of
+    ``config.activations``."""
 
     def __init__(self, config: MLPConfig, backend: str = "torch", device=None, name: str = "mlp"):
         super().__init__()
         self.config = config
         self.backend = backend
         self.name = name
-        widths = config.widths
-        last = len(widths) - 2
         self.layers = nn.ModuleList(
-            FusedLinear(k, n, config.activation if i < last else "none", backend,
-                        device=device, dtype=config.torch_dtype)
-            for i, (k, n) in enumerate(pairwise(widths))
+            FusedLinear(k, n, activation, backend, device=device, dtype=config.torch_dtype)
+            for (k, n), activation in zip(pairwise(config.widths), config.activations, strict=True)
         )
         # float32 whatever the model dtype: raw inputs may be large before normalization.
         self.register_buffer("input_shift", torch.zeros(config.in_features, device=device))

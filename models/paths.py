@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from fusedserve.kernels import choosing
-from fusedserve.kernels.activations import ACTIVATIONS
+from fusedserve.kernels.activations import torch_activation
 from fusedserve.kernels.family import config_str
 from fusedserve.kernels.rules import m_bucket, problem_of_shape
 from fusedserve.kernels.triton import fused_mlp
@@ -42,7 +42,7 @@ class LayersPath:
         # The torch backend's layers with their tensors looked up once: through the modules a digits
         # row takes ~35 us on the 2-core dev box, ~20 of them attribute lookups and module dispatch.
         self._bound = None if model.backend != "torch" else tuple(
-            partial(reference_layer, weight=layer.weight, bias=layer.bias, act=ACTIVATIONS[layer.activation])
+            partial(reference_layer, weight=layer.weight, bias=layer.bias, act=torch_activation(layer.activation))
             for layer in model.layers)
 
     def tune(self, x: torch.Tensor) -> None:
@@ -83,7 +83,7 @@ class FusedPath:
         self.model = model
         layers = model.layers
         self.packed = fused_mlp.pack_mlp([layer.weight.detach() for layer in layers],
-                                         [layer.bias.detach() for layer in layers], model.config.activation)
+                                         [layer.bias.detach() for layer in layers], model.config.activations)
 
     def tune(self, x: torch.Tensor) -> None:
         """Every layer's config at this bucket, timed in the whole chain (once per bucket and GPU)."""

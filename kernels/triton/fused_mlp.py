@@ -1,8 +1,9 @@
 """A whole MLP as one short chain of launches: input normalization fused into the first layer,
 bias and activation fused into every layer's epilogue.
 
-``y = L_n(...act(L_1(act(L_0((x - shift) * scale))))...)`` with ``L_i(h) = h @ W_i^T + b_i`` and no
-activation after the last layer. Layer-by-layer torch needs two extra launches for the
+``y = act_n(L_n(...act_1(L_1(act_0(L_0((x - shift) * scale))))...))`` with ``L_i(h) = h @ W_i^T + b_i``
+and each layer's own activation (the last one's is often "none"; a row-wise one, softmax, runs in torch
+after the last launch). Layer-by-layer torch needs two extra launches for the
 normalization and one per activation; here each layer is exactly one launch, and layer 0 reads the
 raw float32 input and normalizes it while loading (rounded to the model dtype, as
 ``MLP.normalize`` does). Each launch spreads its layer over a grid of ``BLOCK_M x BLOCK_N`` output
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fusedserve.kernels import provisional
-from fusedserve.kernels.activations import ACTIVATIONS, apply_activation
+from fusedserve.kernels.activations import apply_activation, split_activation
 from fusedserve.kernels.arguments import check_normalization, interpreting
 from fusedserve.kernels.device import cuda_name, cuda_sm_count, pdl_supported
 from fusedserve.kernels.precision import dot_precision
@@ -46,7 +47,7 @@ class PackedMLP(NamedTuple):
     biases: torch.Tensor  # all b_i [N_i] back to back, model dtype
     offsets: tuple[tuple[int, int], ...]  # per layer: (offset of W_i, offset of b_i), in elements
     widths: tuple[int, ...]  # (K_0, N_0, N_1, ..., N_last)
-    activation: str
+    activations: tuple[str, ...]  # per layer, first layer first
 
     @property
     def num_layers(self) -> int:
@@ -61,13 +62,18 @@ def fused_mlp_supported(widths, dtype, device) -> bool:
             and (device.type == "cuda" or (device.type == "cpu" and interpreting())))
 
 
-def pack_mlp(weights, biases, activation: str) -> PackedMLP:
-    """Pack ``[W_0, W_1, ...]`` (``nn.Linear`` layout) and ``[b_0, b_1, ...]`` for ``fused_mlp``."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+def pack_mlp(weights, biases, activations) -> PackedMLP:
+    """Pack ``[W_0, W_1, ...]`` (``nn.Linear`` layout) and ``[b_0, b_1, ...]`` for ``fused_mlp``.
+    ``activations``: one name per layer, or one name for every layer but the last (which gets "none")."""
     if not weights or len(weights) != len(biases):
         raise ValueError(f"weights and biases must be non-empty lists of equal length, got "
                          f"{len(weights)} and {len(biases)}")
+    if isinstance(activations, str):
+        activations = (activations,) * (len(weights) - 1) + ("none",)
+    if len(activations) != len(weights):
+        raise ValueError(f"activations must name one activation per layer ({len(weights)}), got {list(activations)}")
+    for name in activations:
+        split_activation(name)  # ValueError naming a name no layer computes
     widths = [weights[0].shape[1]]
     offsets, w_offset, b_offset = [], 0, 0
     for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
@@ -86,7 +92,7 @@ def pack_mlp(weights, biases, activation: str) -> PackedMLP:
         biases=torch.cat(list(biases)).contiguous(),
         offsets=tuple(offsets),
         widths=tuple(widths),
-        activation=activation,
+        activations=tuple(activations),
     )
 
 
@@ -180,7 +186,7 @@ def _tune_key(M: int, packed: PackedMLP, index: int) -> str:
     # tunes a key keeps it (tune_chain).
     K, N = packed.widths[index], packed.widths[index + 1]
     dtype = packed.weights.dtype
-    role = ("normalize+" if index == 0 else "") + (packed.activation if index < packed.num_layers - 1 else "none")
+    role = ("normalize+" if index == 0 else "") + split_activation(packed.activations[index])[0]
     return (f"{NAME}|M{m_bucket(M)}|N{N}|K{K}|{str(dtype).removeprefix('torch.')}|{role}"
             f"|{dot_precision(dtype)}")
 
@@ -366,11 +372,11 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
 
     Layer 0 takes the raw float32 input and applies ``(h - shift) * scale`` (float32 ``[K_0]``)
     while loading it; later layers take the previous layer's output and ignore shift/scale.
-    Every layer but the last applies ``packed.activation``. ``config``: tile sizes (default:
-    ``layer_config``: the config ``tune_chain`` chose for this batch bucket in the whole chain, or
-    ``fused_mlp_config`` until it has run; a layer alone is never timed, since alone it mispredicts
-    its time in the chain). ``pdl``: launch with programmatic dependent launch (None: wherever
-    ``pdl_supported``).
+    Layer ``index`` applies ``packed.activations[index]`` (a row-wise one in torch, after the launch).
+    ``config``: tile sizes (default: ``layer_config``: the config ``tune_chain`` chose for this batch
+    bucket in the whole chain, or ``fused_mlp_config`` until it has run; a layer alone is never timed,
+    since alone it mispredicts its time in the chain). ``pdl``: launch with programmatic dependent
+    launch (None: wherever ``pdl_supported``).
     """
     h = _checked_input(h, packed, index, shift, scale)
     M, N, dtype = h.shape[0], packed.widths[index + 1], packed.weights.dtype
@@ -386,6 +392,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
     w_offset, b_offset = packed.offsets[index]
     grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
     normalize = index == 0
+    epilogue, after = split_activation(packed.activations[index])
     if pdl:
         config["launch_pdl"] = True  # a launch option, not a kernel argument
     _fused_mlp_layer_kernel[grid](
@@ -394,7 +401,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         # Sizes are plain ints: Triton turns any that equals 1 (M at batch 1) into a constant.
         M, N, packed.widths[index], h.stride(0), out.stride(0),
         NORMALIZE=normalize,
-        ACTIVATION=packed.activation if index < packed.num_layers - 1 else "none",
+        ACTIVATION=epilogue,
         INPUT_PRECISION=dot_precision(dtype),
         # The interpreter's bf16 tl.dot is wrong (its fp32 one is right): upcast there only.
         UPCAST_BF16=on_cpu and dtype == torch.bfloat16,
@@ -402,7 +409,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         STAGES=config["num_stages"],
         **config,
     )
-    return out
+    return out if after is None else after(out)
 
 
 def fused_mlp(x: torch.Tensor, packed: PackedMLP, shift: torch.Tensor, scale: torch.Tensor,
