@@ -20,7 +20,7 @@ from fusedserve.service.http.routes import dashboard, health, infer, metrics, mo
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
 from fusedserve.service.stats.sinks import LayerSinks
-from fusedserve.service.workers.remote import RemoteEngine
+from fusedserve.service.workers.pool import engine_client
 
 log = logging.getLogger("fusedserve")
 
@@ -124,9 +124,10 @@ class ServiceApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, engine_process: str | None = None) -> FastAPI:
-    """The app; ``engine_process`` (the engine's Unix socket path) makes it a front end of
-    ``--workers N`` whose models live in that process; its gRPC port is shared (SO_REUSEPORT) with the others."""
+def create_app(settings: Settings | None = None, engine_process: str | dict[str, str] | None = None) -> FastAPI:
+    """The app; ``engine_process`` (the engine's Unix socket path, or ``{device label: path}`` of one
+    engine per device) makes it a front end of ``--workers N`` whose models live in those processes;
+    its gRPC port is shared (SO_REUSEPORT) with the others."""
     settings = settings or Settings()
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan, **docs,
@@ -134,7 +135,7 @@ def create_app(settings: Settings | None = None, engine_process: str | None = No
     state = ServiceState.fresh(settings)
     app.state.service = state
     # What the front ends (HTTP inference, gRPC) ask of the models: here, or in the engine process.
-    app.state.engine = LocalEngine(state) if engine_process is None else RemoteEngine(engine_process, state)
+    app.state.engine = LocalEngine(state) if engine_process is None else engine_client(engine_process, state)
     app.state.engine_process = engine_process
     app.state.grpc = None  # the GrpcServer while it serves (service.grpc.server)
     app.state.timing_sink = LayerSinks((state.stats, state.metrics))

@@ -27,6 +27,8 @@ _FLAGS = {
     "--workers": ("workers", int, "front-end processes; > 1 adds one engine process (default: from the cores)"),
     "--model-repository": ("model_repository", str, "folder of model directories (default: shipped)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:<index>"),
+    "--devices": ("devices", str, "one engine per device: auto (every GPU when --device is auto), all, "
+                                  "or a list (cuda:0,cuda:2; cpu,cpu)"),
     "--backend": ("backend", str, "auto, triton or torch"),
     "--max-batch-size": ("max_batch_size", int, "rows per batch (default 64)"),
     "--max-delay-ms": ("max_delay_ms", float, "wait for a fuller batch behind a busy model (default 2)"),
@@ -99,12 +101,17 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace, settings) -> None:
-    from fusedserve.service.workers import supervisor
+    from fusedserve.service.workers import devices, supervisor
 
     configure(args.log_level, args.log_format)
-    if settings.workers > 1:
-        supervisor.run(settings, args.log_level, args.log_format)
+    try:
+        slots = devices.engines(settings)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if settings.workers > 1 or len(slots) > 1:  # several engines or front ends: processes
+        supervisor.run(settings, args.log_level, args.log_format, slots)
         return
+    settings = devices.engine_settings(settings, slots[0])
     # Both ports before the imports and the models (the supervisor checks its own).
     supervisor.check_free(settings.host, settings.port, "--port")
     if settings.grpc_port:

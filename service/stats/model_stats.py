@@ -5,13 +5,14 @@ the same stats object as /kernel-stats, so POST /kernel-stats/reset clears both.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from fusedserve.service.errors import ServiceError
 from fusedserve.service.stats.peaks import device_peaks
 
 if TYPE_CHECKING:
-    from fusedserve.service.engine.state import ServiceState
+    from fusedserve.service.engine.state import ModelInfo, ServiceState
 
 
 def outcome_statuses() -> dict[str, int]:
@@ -47,21 +48,24 @@ def _model_row(info, row: dict, queued: int, window_s: float, statuses: dict) ->
 
 def snapshot(state: ServiceState) -> dict:
     """/model-stats from the process that holds the models (``LocalEngine.model_stats``)."""
-    snap = state.stats.snapshot()
+    queued = {name: batcher.queued_rows for name, batcher in state.batchers.items()}
+    devices = {info.device: device_peaks(info.device) for info in state.models.values()}
+    return build(state.stats.snapshot(), state.models, queued, devices)
+
+
+def build(snap: dict, models: Mapping[str, ModelInfo], queued: Mapping[str, int], devices: dict) -> dict:
+    """/model-stats from a stats snapshot (``ServiceStats.snapshot``), the served models, the rows
+    queued per model and the peaks of their devices (``device_peaks``, by device)."""
     window_s = max(time.time() - snap["since_unix_s"], 1e-6)
     statuses = outcome_statuses()
-    models = {}
-    for name, info in sorted(state.models.items()):
-        batcher = state.batchers.get(name)
-        models[name] = _model_row(info, snap["models"].get(name, {}), batcher.queued_rows if batcher else 0,
-                                  window_s, statuses)
+    rows = {name: _model_row(info, snap["models"].get(name, {}), queued.get(name, 0), window_s, statuses)
+            for name, info in sorted(models.items())}
     # Refused before a served model was known (no model named, an unknown one): counted apart.
     stray = dict(snap["unattributed_outcomes"])
     for name, row in snap["models"].items():
-        if name not in state.models:
+        if name not in models:
             for outcome, count in row.get("outcomes", {}).items():
                 stray[outcome] = stray.get(outcome, 0) + count
-    devices = {info.device: device_peaks(info.device) for info in state.models.values()}
-    return {"since_unix_s": snap["since_unix_s"], "window_s": window_s, "models": models,
+    return {"since_unix_s": snap["since_unix_s"], "window_s": window_s, "models": rows,
             "unattributed": {"requests": sum(stray.values()), "errors_by_status": by_status(stray, statuses)},
             "devices": devices}

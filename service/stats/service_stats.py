@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +48,25 @@ class _ModelSeries:
     # Request latency samples (queue + compute, as the engine saw it) and every answer by outcome.
     latencies: deque = field(default_factory=deque)
     outcomes: Counter = field(default_factory=Counter)
+
+
+def _plain(value):
+    """A series field as JSON holds it: deques as lists, counters as dicts."""
+    return list(value) if isinstance(value, deque) else dict(value) if isinstance(value, Counter) else value
+
+
+def _absorb(series: _ModelSeries, row: dict) -> None:
+    """Add one exported model series (``_plain`` fields) into ``series``."""
+    for f in fields(series):
+        value, mine = row[f.name], getattr(series, f.name)
+        if isinstance(mine, deque):
+            mine.extend(value)
+        elif isinstance(mine, Counter):  # batch sizes come back from JSON with text keys
+            mine.update({int(k) if f.name == "batch_sizes" else k: n for k, n in value.items()})
+        elif f.name == "last_inference_ms":
+            series.last_inference_ms = max(mine, value)
+        else:
+            setattr(series, f.name, mine + value)
 
 
 class ServiceStats:
@@ -128,6 +147,31 @@ class ServiceStats:
             since, unattributed = self._since, dict(self._unattributed)
         layers.sort(key=lambda row: (row["model"], row["layer"], row["M"]))
         return {"since_unix_s": since, "layers": layers, "models": models, "unattributed_outcomes": unattributed}
+
+    def export(self) -> dict:
+        """Every series with its samples, as JSON: what ``merged`` adds up over several engines."""
+        with self._lock:
+            layers = [[list(key), s.count, s.total, list(s.samples)] for key, s in self._layers.items()]
+            models = {name: {f.name: _plain(getattr(s, f.name)) for f in fields(s)} for name, s in self._models.items()}
+            return {"since_unix_s": self._since, "reservoir": self._reservoir, "layers": layers, "models": models,
+                    "unattributed": dict(self._unattributed)}
+
+    @classmethod
+    def merged(cls, exports: list[dict]) -> ServiceStats:
+        """One stats object holding every export's series (several engines' ``export``): counts and
+        sums add up, and each keeps its samples, so percentiles span every engine's recent ones."""
+        total = cls(reservoir=max(1, sum(e["reservoir"] for e in exports)))
+        total._since = min((e["since_unix_s"] for e in exports), default=total._since)
+        for export in exports:
+            for key, count, seconds, samples in export["layers"]:
+                series = total._layers.setdefault(tuple(key), _LayerSeries(samples=deque(maxlen=total._reservoir)))
+                series.count += count
+                series.total += seconds
+                series.samples.extend(samples)
+            for name, row in export["models"].items():
+                _absorb(total._model(name), row)
+            total._unattributed.update(export["unattributed"])
+        return total
 
     def model_counts(self, model: str) -> dict:
         """Raw counters of one model, for the Open Inference Protocol statistics route."""

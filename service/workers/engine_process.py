@@ -198,6 +198,9 @@ class EngineServer:
             return (await engine.metrics_text()).decode()
         if op == "model_stats":
             return await engine.model_stats()
+        if op == "stats_export":
+            self.state.collect_timings()
+            return self.state.stats.export()
         if op == "model_counts":
             return await engine.model_counts(message["model"])
         raise ValueError(f"unknown control op {op!r}")
@@ -224,7 +227,7 @@ async def _beat(fd: int) -> None:
 
 
 async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor: int | None = None,
-                heartbeat_fd: int | None = None) -> None:
+                heartbeat_fd: int | None = None, label: str | None = None) -> None:
     # Beats from the start: loading and warm-up run on threads, so a long one is never a silent loop.
     beat = None if heartbeat_fd is None else asyncio.create_task(_beat(heartbeat_fd))
     state = ServiceState.fresh(settings)
@@ -235,6 +238,9 @@ async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     orphaned = asyncio.create_task(_stop_when_orphaned(supervisor, stop))  # watched while models load too
     runners = await startup.load(state, LayerSinks((state.stats, state.metrics)))
+    if label is not None:  # one of several engines: its models say which (cpu:0 and cpu:1 share "cpu")
+        for info in state.models.values():
+            info.device = label
     if stop.is_set():  # stopped or orphaned while loading: nothing to answer yet
         orphaned.cancel()
         return
@@ -245,7 +251,7 @@ async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor:
     if ready_fd is not None:  # tell the supervisor the models loaded: from now on a crash is restarted
         os.write(ready_fd, b"1")
         os.close(ready_fd)
-    log.info("engine listening on %s", path)
+    log.info("engine%s listening on %s", f" {label}" if label else "", path)
     tasks = [asyncio.create_task(startup.warm_up_and_serve(state, runners)),
              asyncio.create_task(server.watch_status()), orphaned, *([beat] if beat else [])]
     await stop.wait()
@@ -265,16 +271,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
     p.add_argument("--supervisor", type=int, default=None, help="its PID (default: the parent at start)")
+    p.add_argument("--label", default=None, help="one of several engines: its device label in stats and metrics")
     args = p.parse_args(argv)
     configure(args.log_level, args.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us once the front ends are done
     settings = Settings.from_fd(args.settings_fd)
+    main_task = serve(settings, args.socket, args.ready_fd, args.supervisor, args.heartbeat_fd, args.label)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(settings, args.socket, args.ready_fd, args.supervisor, args.heartbeat_fd))
+        asyncio.run(main_task)
     else:
-        uvloop.run(serve(settings, args.socket, args.ready_fd, args.supervisor, args.heartbeat_fd))
+        uvloop.run(main_task)
 
 
 if __name__ == "__main__":

@@ -64,10 +64,22 @@ def _inject_fault(engine, model: str) -> None:
     engine.infer = failing
 
 
+def _engines(args: list[str]) -> str | dict[str, str]:
+    """``--engine`` values as ``create_app`` takes them: one path, or ``{label: path}``."""
+    if len(args) == 1 and "=" not in args[0]:
+        return args[0]
+    pairs = [arg.partition("=") for arg in args]
+    bad = [arg for arg, (_, sep, _) in zip(args, pairs, strict=True) if not sep]
+    if bad:
+        raise SystemExit(f"--engine wants LABEL=PATH when there are several, got {bad[0]!r}")
+    return {label: path for label, _, path in pairs}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="fusedserve front-end process (started by the supervisor)")
     p.add_argument("--fd", type=int, required=True, help="the inherited listening socket")
-    p.add_argument("--engine", required=True, help="the engine process's Unix socket")
+    p.add_argument("--engine", action="append", required=True,
+                   help="the engine process's Unix socket; LABEL=PATH for each of several (one per device)")
     p.add_argument("--settings-fd", type=int, required=True, help="a pipe holding Settings.handoff()'s JSON")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
@@ -75,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     configure(args.log_level, args.log_format)
     settings = Settings.from_fd(args.settings_fd)
-    app = create_app(settings, engine_process=args.engine)
+    app = create_app(settings, engine_process=_engines(args.engine))
     if os.environ.get(FAULT_ENV):
         _inject_fault(app.state.engine, os.environ[FAULT_ENV])
     config = uvicorn_config(app, settings, args.log_level)  # the guarded protocol, as one process has

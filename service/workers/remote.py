@@ -186,8 +186,15 @@ class RemoteEngine(asyncio.Protocol):
         return self._status is not None and self._status["live"]
 
     def ready(self) -> bool:
-        return (self._status is not None and self._status["ready"] and self._stuck is None
-                and not self._state.draining)
+        return self.serving() and not self._state.draining
+
+    def serving(self) -> bool:
+        """The engine is connected, answers, and is ready (warm, every batch loop running, not stopping)."""
+        return self._status is not None and self._status["ready"] and self._stuck is None
+
+    def connected(self) -> bool:
+        """The engine is connected and answers (it may still be warming up)."""
+        return self._outbox is not None and self._stuck is None
 
     def reason(self) -> str:
         if self._state.draining:
@@ -287,6 +294,10 @@ class RemoteEngine(asyncio.Protocol):
 
     async def model_stats(self) -> dict:
         return await self._ask("model_stats")
+
+    async def stats_export(self) -> dict:
+        """The engine's ``ServiceStats.export``: what the totals over several engines are built from."""
+        return await self._ask("stats_export")
 
     async def model_counts(self, model: str) -> dict:
         counts = await self._ask("model_counts", model=model)

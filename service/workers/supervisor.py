@@ -1,14 +1,15 @@
-"""``fusedserve serve --workers N`` (N > 1): a small supervisor process. It binds the HTTP port (one
-SO_REUSEPORT socket per front end), spawns one engine process (``service.workers.engine_process``:
-models, batchers, CUDA graphs, stats) and, once the engine has loaded its models, N front ends
-(``service.workers.frontend``: uvicorn on its inherited socket, a ``RemoteEngine`` each, every one
-also serving gRPC on one port shared with SO_REUSEPORT), and restarts any that dies; an engine
-whose event loop stops beating (``Heartbeat``) is killed first. Children are fresh interpreters
+"""``fusedserve serve --workers N`` (N > 1), or several devices: a small supervisor process. It binds
+the HTTP port (one SO_REUSEPORT socket per front end), spawns one engine process per device
+(``service.workers.engine_process``: models, batchers, CUDA graphs, stats; ``service.workers.devices``
+says which) and, once every engine has loaded its models, N front ends (``service.workers.frontend``:
+uvicorn on its inherited socket, a ``RemoteEngine`` per engine, every one also serving gRPC on one
+port shared with SO_REUSEPORT), and restarts any that dies while the others serve; an engine whose
+event loop stops beating (its ``Heartbeat``) is killed first. Children are fresh interpreters
 (spawned, never forked: the engine may touch CUDA), in their own session so a terminal's Ctrl-C
 reaches only the supervisor, which passes each signal on exactly once.
 
 SIGTERM: every front end drains (``DrainingServer``: answers for ``drain_grace_s``, then finishes what
-it accepted); once all have exited, the engine stops (its batchers answer what they queued)."""
+it accepted); once all have exited, the engines stop (their batchers answer what they queued)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from fusedserve.service.settings import Settings
+from fusedserve.service.workers.devices import Slot, engine_settings, engines
 
 log = logging.getLogger("fusedserve")
 POLL_S = 0.05
@@ -108,9 +110,9 @@ def _bind(host: str, port: int, count: int) -> list[socket.socket]:
 
 
 class Heartbeat:
-    """The pipe the engine's event loop writes a byte into every ``HEARTBEAT_S``: one for the
-    supervisor's life, inherited by every engine. Each engine's first byte arms it, so its imports,
-    before its event loop runs, never count as silence."""
+    """The pipe an engine's event loop writes a byte into every ``HEARTBEAT_S``: one per device for the
+    supervisor's life, inherited by each engine started there. Each engine's first byte arms it, so
+    its imports, before its event loop runs, never count as silence."""
 
     def __init__(self):
         self.read, self.write = os.pipe()
@@ -141,26 +143,57 @@ class Heartbeat:
         os.close(self.write)
 
 
+@dataclass
+class EngineSlot:
+    """One device's engine process: its child, socket, heartbeat pipe, and whether it loaded once."""
+
+    slot: Slot
+    path: str
+    heartbeat: Heartbeat
+    child: Child | None = None
+    ready_pipe: int | None = None  # where it says its models loaded (first start only)
+    loaded: bool = False
+
+    def poll_loaded(self) -> bool:
+        if not self.loaded:
+            try:
+                self.loaded = bool(os.read(self.ready_pipe, 1))
+            except BlockingIOError:
+                pass
+        return self.loaded
+
+
 class Supervisor:
-    def __init__(self, settings: Settings, log_level: str, log_format: str):
+    def __init__(self, settings: Settings, log_level: str, log_format: str, slots: list[Slot] | None = None):
         self.settings = settings
+        self.slots = slots or engines(settings)
         self._handoff = settings.handoff()
         self._common = ["--log-level", log_level, "--log-format", log_format, "--supervisor", str(os.getpid())]
         self._stop_signal: int | None = None
         self._front_ends: list[Child] = []
+        self._engines: list[EngineSlot] = []
 
-    def _start_engine(self, path: str) -> tuple[Child, int]:
-        """The engine, started; and the pipe's end on which it says its models loaded (first start only)."""
+    def _start_engine(self, engine: EngineSlot) -> None:
+        """The engine, started; it says on ``ready_pipe`` when its models loaded (first start only)."""
         read, write = os.pipe()
         os.set_blocking(read, False)
-        beat = self._heartbeat.write
-        argv = [sys.executable, "-m", "fusedserve.service.workers.engine_process", "--socket", path, *self._common,
-                "--heartbeat-fd", str(beat)]
-        engine = Child("engine", [*argv, "--ready-fd", str(write)], self._handoff, (write, beat))
-        engine.start()
+        beat = engine.heartbeat.write
+        label = ["--label", engine.slot.label] if len(self._engines) > 1 else []
+        argv = [sys.executable, "-m", "fusedserve.service.workers.engine_process", "--socket", engine.path,
+                *self._common, "--heartbeat-fd", str(beat), *label]
+        name = f"engine {engine.slot.label}" if label else "engine"
+        handoff = engine_settings(self.settings, engine.slot).handoff()
+        engine.child = Child(name, [*argv, "--ready-fd", str(write)], handoff, (write, beat))
+        engine.child.start()
         os.close(write)
-        engine.argv, engine.pass_fds = argv, (beat,)  # a restarted engine need not say it loaded
-        return engine, read
+        engine.child.argv, engine.child.pass_fds = argv, (beat,)  # a restarted engine need not say it loaded
+        engine.ready_pipe = read
+
+    def _engine_args(self) -> list[str]:
+        """A front end's ``--engine`` arguments: the socket path, or ``LABEL=PATH`` of each of several."""
+        if len(self._engines) == 1:
+            return ["--engine", self._engines[0].path]
+        return [arg for e in self._engines for arg in ("--engine", f"{e.slot.label}={e.path}")]
 
     def _on_signal(self, sig: int, frame) -> None:
         if self._stop_signal is None:
@@ -173,70 +206,76 @@ class Supervisor:
         settings = self.settings
         socks = _bind(settings.host, settings.port, settings.workers)
         tmp = tempfile.mkdtemp(prefix="fusedserve-")
-        path = os.path.join(tmp, "engine.sock")
+        several = len(self.slots) > 1
+        self._engines = [EngineSlot(slot, os.path.join(tmp, f"engine-{i}.sock" if several else "engine.sock"),
+                                    Heartbeat()) for i, slot in enumerate(self.slots)]
         self._front_ends = [
             Child(f"front end {i}", [sys.executable, "-m", "fusedserve.service.workers.frontend",
-                                     "--fd", str(sock.fileno()), "--engine", path, *self._common],
+                                     "--fd", str(sock.fileno()), *self._engine_args(), *self._common],
                   self._handoff, (sock.fileno(),))
             for i, sock in enumerate(socks)]
         if settings.grpc_port:
             check_free(settings.host, settings.grpc_port, "--grpc-port")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        log.info("supervisor: 1 engine and %d front ends on http://%s:%d", settings.workers, settings.host,
-                 socks[0].getsockname()[1])
-        self._heartbeat = Heartbeat()
+        labels = ", ".join(e.slot.label for e in self._engines)
+        log.info("supervisor: %d engine%s (%s) and %d front ends on http://%s:%d", len(self._engines),
+                 "s" if several else "", labels, settings.workers, settings.host, socks[0].getsockname()[1])
         try:
-            engine, ready_pipe = self._start_engine(path)
-            code = self._watch(engine, ready_pipe)
+            for engine in self._engines:
+                self._start_engine(engine)
+            code = self._watch()
             for sock in socks:  # this process's copies: else the port keeps accepting once the front ends close theirs
                 sock.close()
-            self._shut_down(engine)
+            self._shut_down()
             return code
         finally:
             for sock in socks:
                 sock.close()
-            self._heartbeat.close()
+            for engine in self._engines:
+                engine.heartbeat.close()
+                if engine.ready_pipe is not None:
+                    os.close(engine.ready_pipe)
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _watch(self, engine: Child, ready_pipe: int) -> int:
-        """Start the front ends once the engine has loaded its models (started beside it, their
-        imports delayed its start by 5-7 s on a 16-core GPU host; connections wait in the sockets'
-        backlog meanwhile), then restart children until a signal comes. Returns the exit code (1:
-        the engine never loaded)."""
-        loaded = False
+    def _watch(self) -> int:
+        """Start the front ends once every engine has loaded its models (started beside them, their
+        imports delayed an engine's start by 5-7 s on a 16-core GPU host; connections wait in the
+        sockets' backlog meanwhile), then restart children until a signal comes. Returns the exit
+        code (1: an engine never loaded)."""
+        started = False
         while self._stop_signal is None:
-            if not loaded:
-                try:
-                    loaded = bool(os.read(ready_pipe, 1))
-                except BlockingIOError:
-                    pass
-                if loaded:
+            if not started:
+                if all([engine.poll_loaded() for engine in self._engines]):
+                    started = True
                     for child in self._front_ends:
                         child.start()
-                elif engine.proc.poll() is not None:
-                    log.error("the engine process exited (%s) before its models loaded: see its log above",
-                              engine.proc.returncode)
-                    self._stop_signal = signal.SIGINT  # nothing was served: no drain
-                    return 1
-            self._kill_if_wedged(engine)
-            for child in (engine, *self._front_ends):
+                for engine in self._engines:
+                    if not engine.loaded and engine.child.proc.poll() is not None:
+                        log.error("%s exited (%s) before its models loaded: see its log above", engine.child.name,
+                                  engine.child.proc.returncode)
+                        self._stop_signal = signal.SIGINT  # nothing was served: no drain
+                        return 1
+            for engine in self._engines:
+                self._kill_if_wedged(engine)
+            for child in (*(e.child for e in self._engines), *self._front_ends):
                 self._restart_if_dead(child)
             time.sleep(POLL_S)
         return 0
 
-    def _kill_if_wedged(self, engine: Child) -> None:
+    def _kill_if_wedged(self, engine: EngineSlot) -> None:
         """SIGKILL an engine whose event loop stopped beating (SIGSTOP, a deadlock): it answers
         nothing and never would; ``_restart_if_dead`` then starts a new one."""
         limit = KILL_AFTER * self.settings.engine_heartbeat_timeout_s
-        if not limit or engine.proc.poll() is not None:
+        proc = engine.child.proc
+        if not limit or proc.poll() is not None:
             return
-        silent = self._heartbeat.silent_s(engine.proc.pid, time.monotonic())
+        silent = engine.heartbeat.silent_s(proc.pid, time.monotonic())
         if silent > limit:
-            log.error("the engine process (pid %d) sent no heartbeat for %.1f s: its event loop is stopped or "
-                      "wedged; killing it (SIGKILL) to restart it", engine.proc.pid, silent)
-            engine.proc.kill()
-            self._heartbeat.disarm()
+            log.error("%s (pid %d) sent no heartbeat for %.1f s: its event loop is stopped or wedged; killing "
+                      "it (SIGKILL) to restart it", engine.child.name, proc.pid, silent)
+            proc.kill()
+            engine.heartbeat.disarm()
 
     def _restart_if_dead(self, child: Child) -> None:
         code = None if child.proc is None else child.proc.poll()  # None: running, or not started yet
@@ -251,16 +290,18 @@ class Supervisor:
             child.restarts += 1
             child.start()
 
-    def _shut_down(self, engine: Child) -> None:
-        """Front ends first (each drains what it accepted), then the engine they were waiting on."""
+    def _shut_down(self) -> None:
+        """Front ends first (each drains what it accepted), then the engines they were waiting on."""
         sig = self._stop_signal or signal.SIGTERM
         for child in self._front_ends:
             child.signal(sig)
         limit = self.settings.drain_grace_s + self.settings.request_timeout_ms / 1000 + 5
         for child in self._front_ends:
             _wait(child, limit)
-        engine.signal(signal.SIGTERM)
-        _wait(engine, ENGINE_STOP_S)
+        for engine in self._engines:
+            engine.child.signal(signal.SIGTERM)
+        for engine in self._engines:
+            _wait(engine.child, ENGINE_STOP_S)
 
 
 def _wait(child: Child, timeout_s: float) -> None:
@@ -274,5 +315,5 @@ def _wait(child: Child, timeout_s: float) -> None:
         child.proc.wait()
 
 
-def run(settings: Settings, log_level: str, log_format: str) -> None:
-    sys.exit(Supervisor(settings, log_level, log_format).run())
+def run(settings: Settings, log_level: str, log_format: str, slots: list[Slot] | None = None) -> None:
+    sys.exit(Supervisor(settings, log_level, log_format, slots).run())
