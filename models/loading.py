@@ -1,8 +1,10 @@
 """Load and save model directories (``config.json`` + ``model.safetensors``) and repositories.
 
 A model directory holds the ``MLPConfig`` as JSON and every tensor of the model (layer weights and
-biases, the input normalization) in one safetensors file. A repository is a folder of model
-directories; the directory name is the model's name.
+biases, the input normalization) in one safetensors file, and a classifier's class labels (a JSON list
+of strings, one per output) where it has them. A repository is a folder of model directories; the
+directory name is the model's name. Files are written readable by everyone (0644): a server in a
+container runs as another user than the one who saved the model.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+LABELS_FILE = "labels.json"
+FILE_MODE = 0o644
 DEFAULT_REPOSITORY = Path(__file__).parent / "repository"
 
 
@@ -54,11 +58,21 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+def check_readable(path: Path) -> None:
+    """PermissionError naming ``path``, its mode and owner when this process may not read it (the
+    safetensors reader calls that "No such file or directory")."""
+    if not os.access(path, os.R_OK):
+        info = path.stat()
+        raise PermissionError(f"cannot read {path}: permission denied (mode {info.st_mode & 0o777:04o}, owner uid "
+                              f"{info.st_uid}, this process uid {os.geteuid()}); make it readable: chmod 644 {path}")
+
+
 def read_config(directory: Path) -> MLPConfig:
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path} (a model directory needs "
                                 f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    check_readable(path)
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -74,6 +88,7 @@ def read_tensors(directory: Path, model: MLP) -> dict[str, torch.Tensor]:
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"model weights not found: {path}")
+    check_readable(path)
     try:
         tensors = load_file(path, device="cpu")
     except (SafetensorError, OSError) as exc:
@@ -128,20 +143,50 @@ def load_model(path, device=None, backend=None, name: str | None = None) -> MLP:
     for name, t in cast.items():
         check_finite(t, name, f"{directory / WEIGHTS_FILE} (as {config.dtype})")
     model.load_state_dict(cast)
+    model.labels = read_labels(directory, config.out_features)
     log.info("loaded model %r from %s: widths %s, %s, device %s, backend %s",
              model.name, directory, config.widths, config.dtype, device, backend)
     return model.eval().requires_grad_(False)
 
 
+def read_labels(directory: Path, out_features: int) -> tuple[str, ...]:
+    """The class labels of ``LABELS_FILE``, one per output; () when the model has none."""
+    path = directory / LABELS_FILE
+    if not path.is_file():
+        return ()
+    check_readable(path)
+    try:
+        labels = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(labels, list) or not all(isinstance(label, str) for label in labels):
+        raise ValueError(f"{path} must be a JSON list of strings, one class label per output")
+    if len(labels) != out_features:
+        raise ValueError(f"{path} has {len(labels)} labels but the model has {out_features} outputs: one each")
+    return tuple(labels)
+
+
 def save_model(model: MLP, path) -> Path:
-    """Write ``model`` as a model directory at ``path`` (created if needed); returns the path."""
+    """Write ``model`` as a model directory at ``path`` (created if needed); returns the path. Its
+    ``labels``, if any, go in ``LABELS_FILE``."""
     if not isinstance(model, MLP):
         raise TypeError(f"model must be a models.MLP, got {type(model).__name__}")
+    labels = list(model.labels)
+    if labels and (len(labels) != model.config.out_features or not all(isinstance(x, str) for x in labels)):
+        raise ValueError(f"model.labels must hold one string per output ({model.config.out_features}), got {labels}")
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     save_file(tensors, directory / WEIGHTS_FILE)
     (directory / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    written = [WEIGHTS_FILE, CONFIG_FILE]
+    if labels:
+        (directory / LABELS_FILE).write_text(json.dumps(labels, indent=1, ensure_ascii=False) + "\n")
+        written.append(LABELS_FILE)
+    else:  # (a model saved there before may have left its labels)
+        (directory / LABELS_FILE).unlink(missing_ok=True)
+    for name in written:  # (safetensors writes its file 0600)
+        os.chmod(directory / name, FILE_MODE)
     return directory
 
 

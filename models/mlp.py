@@ -199,6 +199,7 @@ class MLP(nn.Module):
         self.config = config
         self.backend = backend
         self.name = name
+        self.labels: tuple[str, ...] = ()  # a classifier's class labels, one per output (models.loading)
         self.layers = nn.ModuleList(
             FusedLinear(k, n, activation, backend, device=device, dtype=config.torch_dtype)
             for (k, n), activation in zip(pairwise(config.widths), config.activations, strict=True)
