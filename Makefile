@@ -1,10 +1,18 @@
-# Two commands on a fresh machine: `make serve` and `make test`. Both build the virtual environment
-# on first use. TORCH goes in first: by default the CPU build CI tests with (torch 2.13.0; CPU builds
-# pin no triton, so the triton 3.6 our kernels need installs beside it). On a CUDA machine use
-# `make TORCH=torch==2.11.0 serve`: a CUDA build of 2.10 or 2.11 is what pairs with triton 3.6.
+# Two commands on a fresh machine: `make serve` and `make test`, one after the other or at once: they
+# share one install into the virtual environment (see INSTALL_LOCKED below).
 PYTHON ?= python3
 VENV ?= .venv
+# torch goes in first, chosen for this machine. Without an NVIDIA driver (no nvidia-smi): the CPU build
+# from torch's CPU index (CPU builds pin no triton, so the triton 3.6 our kernels need installs beside
+# it; CI runs 2.13.0). With one: 2.11.0 from the default index, the CUDA 13.0 build that pins triton 3.6
+# and needs driver 580 or newer; for an older driver set TORCH_INDEX to one of torch's CUDA 12 indexes.
+ifneq ($(shell command -v nvidia-smi 2>/dev/null),)
+TORCH ?= torch==2.11.0
+TORCH_INDEX ?=
+else
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+endif
 # tests/deploy checks our KServe manifests against the models the KServe SDK generates from its CRDs;
 # the SDK's own runtime dependencies (a pinned starlette, grpcio, pandas) are not needed for that.
 KSERVE ?= kserve==0.21.0
@@ -20,11 +28,18 @@ SCREENSHOT ?= docs/dashboard_cpu.png
 
 .PHONY: serve test lint browser-test container-test gpu-check clean
 
-# Serving needs the package alone; the tests, lint and benchmarks add the test and bench extras.
+# One install at a time: each stamp's rule takes a lock, then runs make again under it, which finds a
+# stamp another make wrote meanwhile fresh and skips it (two pips in one .venv at once break it).
+LOCKED = mkdir -p $(VENV) && $(PYTHON) -c 'import fcntl, subprocess, sys; lock = open(sys.argv[1], "w"); \
+	fcntl.flock(lock, fcntl.LOCK_EX); sys.exit(subprocess.call(sys.argv[2:]))' $(VENV)/.lock
+
+ifdef INSTALL_LOCKED
+# Serving needs the package alone; the tests, lint and benchmarks add the test and bench extras. torch
+# comes without its dependencies from its own index; the package's install brings them.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q --no-deps $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
@@ -32,6 +47,10 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	$(BIN)/python -m pip install -q --no-deps "$(KSERVE)"
 	touch $@
+else
+$(STAMP) $(TEST_STAMP): pyproject.toml Makefile
+	@$(LOCKED) $(MAKE) --no-print-directory INSTALL_LOCKED=1 $@
+endif
 
 serve: $(STAMP)
 	$(BIN)/fusedserve serve
