@@ -6,7 +6,7 @@ import argparse
 import os
 
 from fusedserve import __version__
-from fusedserve.service.logs import FORMATS, configure
+from fusedserve.service.logs import FORMATS, configure, mark_start
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     top = parser()
     args = top.parse_args(argv)
     if args.command == "serve":
+        mark_start()  # the ready line counts from here, in every process this command starts
         # Defaults read from the environment skip argparse's choices check: check them here.
         if args.log_level not in LOG_LEVELS:
             top.error(f"log level must be one of {LOG_LEVELS}, got {args.log_level!r} (FUSEDSERVE_LOG_LEVEL?)")

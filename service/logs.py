@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
@@ -13,6 +14,22 @@ import time
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message", "asctime", "taskName", "color_message"}
 FORMATS = ("text", "json")
+# When ``fusedserve serve`` started (Unix seconds), in the environment so the processes it starts
+# (--workers N) count from the same moment; a process started otherwise counts from this import.
+STARTED_AT_ENV = "FUSEDSERVE_STARTED_AT"
+_IMPORTED_AT = time.time()
+
+
+def mark_start() -> None:
+    os.environ[STARTED_AT_ENV] = repr(time.time())
+
+
+def seconds_since_start() -> float:
+    """Seconds since the command started: what the ready line reports."""
+    try:
+        return time.time() - float(os.environ[STARTED_AT_ENV])
+    except (KeyError, ValueError):
+        return time.time() - _IMPORTED_AT
 
 
 class JsonFormatter(logging.Formatter):

@@ -10,6 +10,7 @@ import time
 
 from fusedserve.service.engine.model_control import load_runner, reason, start_batcher
 from fusedserve.service.engine.state import LOAD_FAILED, WARMUP_FAILED, ServiceState
+from fusedserve.service.logs import seconds_since_start
 from fusedserve.service.settings import Settings
 
 log = logging.getLogger("fusedserve")
@@ -99,7 +100,8 @@ async def warm_up_and_serve(state: ServiceState, runners: list) -> None:
         gc.collect()
         gc.freeze()
     state.serving = True
-    log.info("ready after %.2f s of warm-up: %s", time.perf_counter() - start, sorted(state.batchers))
+    log.info("ready after %.1f s (warm-up %.2f s): %s", seconds_since_start(), time.perf_counter() - start,
+             sorted(state.batchers))
     if settings.background_tuning and any(r.provisional_buckets() for r in runners):
         from fusedserve.models.background import BackgroundTuner
 
