@@ -43,6 +43,21 @@ def want_output(repository: Path) -> np.ndarray:
     return reference(repository, "tiny", json.loads(BODY)["inputs"])
 
 
+def signal_then_probe(server: Server, pid: int, sig: int, at_s: float, settle_s: float, probes: list):
+    """A ``during`` for ``load``: ``sig`` to ``pid`` after ``at_s``, then, ``settle_s`` later, readiness
+    asked three times, each on a new connection (both front ends answer some), into ``probes``."""
+
+    async def during() -> None:
+        await asyncio.sleep(at_s)
+        os.kill(pid, sig)
+        await asyncio.sleep(settle_s)
+        for _ in range(3):
+            async with httpx.AsyncClient(base_url=server.url, timeout=5) as c:
+                probes.append((await c.get("/v2/health/ready")).status_code)
+
+    return during
+
+
 def check_answers(record: list, want: np.ndarray, why: tuple[str, ...] = ("engine process",)) -> list:
     """Every answer is the right output or a 503 that says why (one of ``why``); none hung. Returns the 503s."""
     assert all(isinstance(r[2], int) for r in record), [r for r in record if not isinstance(r[2], int)][:5]
@@ -90,17 +105,8 @@ def check_engine_killed_under_load(server: Server, victim: str, several: bool, w
     pid = engine_pids(server.proc.pid)[victim]
     record: list = []
     probes: list = []
-
-    async def kill_and_probe():
-        await asyncio.sleep(0.7)
-        os.kill(pid, signal.SIGKILL)
-        await asyncio.sleep(0.2)
-        for _ in range(3):  # new connections: both front ends answer some
-            async with httpx.AsyncClient(base_url=server.url, timeout=5) as c:
-                probes.append((await c.get("/v2/health/ready")).status_code)
-
     killed_at = time.monotonic() + 0.7
-    asyncio.run(load(server.port, 3.0, record, kill_and_probe))
+    asyncio.run(load(server.port, 3.0, record, signal_then_probe(server, pid, signal.SIGKILL, 0.7, 0.2, probes)))
     # A lone engine's restart answers 503 "warming up" until it is ready again.
     refused = check_answers(record, want, ("engine process",) if several else ("engine process", "warming up"))
     if several:  # only what was in flight on the killed engine: at most one request per client
@@ -179,16 +185,8 @@ def test_a_stopped_engine_leaves_rotation_while_the_other_serves(tmp_path, repo)
         pid = engine_pids(s.proc.pid)["cpu:1"]
         record: list = []
         probes: list = []
-
-        async def stop_and_probe():
-            await asyncio.sleep(0.5)
-            os.kill(pid, signal.SIGSTOP)
-            await asyncio.sleep(1.5)
-            async with httpx.AsyncClient(base_url=s.url, timeout=5) as c:
-                probes.extend([(await c.get("/v2/health/ready")).status_code for _ in range(3)])
-
         stopped_at = time.monotonic() + 0.5
-        asyncio.run(load(s.port, 4.5, record, stop_and_probe))
+        asyncio.run(load(s.port, 4.5, record, signal_then_probe(s, pid, signal.SIGSTOP, 0.5, 1.5, probes)))
         refused = check_answers(record, want_output(repo))
         assert len(refused) <= CLIENTS, len(refused)
         assert probes == [200] * 3, probes
