@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 from google.protobuf import json_format
-from tritonclient.grpc import model_config_pb2, service_pb2 as pb
 
 from fusedserve.service import tensors
 from fusedserve.service.engine.state import ModelInfo
 from fusedserve.service.errors import BadInput
+from fusedserve.service.grpc import inference_pb2 as pb
 from fusedserve.service.http import v2_body
 from fusedserve.service.http.codec import check_rows
 from fusedserve.service.tensors import OUTPUT
@@ -112,8 +112,7 @@ def server_metadata(control_served: bool):
 
 def model_config(info: ModelInfo, max_batch_size: int, max_delay_ms: float):
     """``ModelConfigResponse`` from the same body as HTTP's ``GET /v2/models/{m}/config``."""
-    config = json_format.ParseDict(v2_body.model_config(info, max_batch_size, max_delay_ms),
-                                   model_config_pb2.ModelConfig())
+    config = json_format.ParseDict(v2_body.model_config(info, max_batch_size, max_delay_ms), pb.ModelConfig())
     return pb.ModelConfigResponse(config=config)
 
 

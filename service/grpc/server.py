@@ -1,4 +1,4 @@
-"""KServe v2 gRPC (``inference.GRPCInferenceService``, the messages ``tritonclient[grpc]`` ships) on
+"""KServe v2 gRPC (``inference.GRPCInferenceService``, the messages of ``grpc/inference.proto``) on
 our own HTTP/2 connections (``service.grpc.h2``) in the HTTP app's event loop. The servicer sees only an
 ``Engine``; a client's mistake is answered with the status code its ``ServiceError`` names
 (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, DEADLINE_EXCEEDED) and the message, never with a crash.
@@ -13,8 +13,6 @@ import asyncio
 import functools
 import logging
 
-from tritonclient.grpc import service_pb2 as pb
-
 from fusedserve.service import tensors
 from fusedserve.service.engine.client import Engine
 from fusedserve.service.engine.state import ModelInfo
@@ -27,13 +25,15 @@ from fusedserve.service.errors import (
     UnknownModel,
     log_unexpected,
 )
-from fusedserve.service.grpc import calls, codec, h2, h2_limits, policy
+from fusedserve.service.grpc import calls, codec, h2, h2_limits, inference_pb2 as pb, policy
 from fusedserve.service.http import v2_body
 from fusedserve.service.security import Guard
 from fusedserve.service.settings import Settings
 
 log = logging.getLogger("fusedserve")
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+# The name clients call it by: the protocol's package, not our messages' own (inference.proto says why).
+SERVICE_PATH = f"/inference.{SERVICE.name}"
 OPEN = frozenset({"ServerLive", "ServerReady"})  # answered without an API key, like HTTP's probes
 
 
@@ -241,7 +241,7 @@ def methods(servicer: InferenceServicer) -> dict[str, calls.Method]:
     for method in SERVICE.methods:
         handler = getattr(servicer, method.name, None)
         if handler is not None:
-            found[f"/{SERVICE.full_name}/{method.name}"] = calls.Method(
+            found[f"{SERVICE_PATH}/{method.name}"] = calls.Method(
                 method.name, getattr(pb, method.input_type.name).FromString, handler, method.client_streaming)
     return found
 
