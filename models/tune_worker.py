@@ -39,6 +39,15 @@ def argv(runner, buckets, warm: bool = False) -> list[str]:
             *(["--warm"] if warm else [])]
 
 
+def build_runner(config: MLPConfig, name: str, device, backend: str, max_batch_size: int,
+                 provisional: bool = True) -> ModelRunner:
+    """A runner of a model of ``config`` as the server builds one, without CUDA graphs; seeded random
+    weights (kernel choices, compiles and timings do not depend on them)."""
+    torch.manual_seed(0)
+    model = MLP(config, backend=backend, device=device, name=name).eval().requires_grad_(False)
+    return ModelRunner(model, max_batch_size=max_batch_size, cuda_graphs=False, provisional=provisional)
+
+
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the model's config.json, as JSON")
@@ -51,10 +60,8 @@ def main(args: list[str] | None = None) -> None:
     parsed = parser.parse_args(args)
     if not parsed.warm and hasattr(os, "nice"):
         os.nice(10)  # tuning is background work: the serving process's threads come first on the CPU
-    torch.manual_seed(0)
-    model = MLP(MLPConfig.from_dict(json.loads(parsed.config)), backend=parsed.backend, device=parsed.device,
-                name=parsed.name).eval().requires_grad_(False)
-    runner = ModelRunner(model, max_batch_size=parsed.max_batch_size, cuda_graphs=False, provisional=parsed.warm)
+    runner = build_runner(MLPConfig.from_dict(json.loads(parsed.config)), parsed.name, parsed.device,
+                          parsed.backend, parsed.max_batch_size, provisional=parsed.warm)
     runner.input_buffer.uniform_(0, 4)  # rows like a client's, not zeros (power draw, clocks)
     for bucket in (int(b) for b in parsed.buckets.split(",")):
         if parsed.warm:

@@ -89,6 +89,17 @@ def parser() -> argparse.ArgumentParser:
                        choices=LOG_LEVELS, help="env FUSEDSERVE_LOG_LEVEL")
     serve.add_argument("--log-format", default=os.environ.get("FUSEDSERVE_LOG_FORMAT", "text"), choices=FORMATS,
                        help="text, or json: one JSON object per line; env FUSEDSERVE_LOG_FORMAT")
+    pre = sub.add_parser("precompile", help="compile a repository's kernels for a GPU model into Triton's cache "
+                         "(TRITON_CACHE_DIR), no GPU needed")
+    for flag in ("--model-repository", "--max-batch-size", "--backend"):
+        field, kind, help_text = _FLAGS[flag]
+        pre.add_argument(flag, dest=field, type=kind, default=None,
+                         help=f"{help_text}; env FUSEDSERVE_{field.upper()}")
+    pre.add_argument("--capability", default="9.0", help="the known GPU models of this capability (default 9.0)")
+    pre.add_argument("--gpu", action="append", metavar="NAME[:SMS]", help="this GPU model instead (repeatable)")
+    pre.add_argument("--cache-dir", help="Triton's cache to fill (default TRITON_CACHE_DIR, else ~/.triton/cache)")
+    pre.add_argument("--jobs", type=int, default=None, help="compile processes at once (default: half the cores, <= 8)")
+    pre.add_argument("--no-launchers", dest="launchers", action="store_false", help="skip Triton's launcher stubs")
     return top
 
 
@@ -96,7 +107,9 @@ def settings_from_args(args: argparse.Namespace):
     """Settings from the environment, with every flag given on the command line taking precedence."""
     from fusedserve.service.settings import Settings
 
-    overrides = {field: getattr(args, field) for field, _, _ in _FLAGS.values() if getattr(args, field) is not None}
+    # (a command takes some of the flags: the others keep the environment's values)
+    given = {field: getattr(args, field, None) for field, _, _ in _FLAGS.values()}
+    overrides = {field: value for field, value in given.items() if value is not None}
     return Settings(**overrides)
 
 
@@ -141,3 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         except ValidationError as exc:  # a bad flag or FUSEDSERVE_* value: usage and why, exit 2
             top.error(str(exc))
         serve(args, settings)
+    elif args.command == "precompile":
+        try:
+            settings = settings_from_args(args)
+        except ValidationError as exc:
+            top.error(str(exc))
+        from fusedserve.models import aot
+
+        configure("info", "text")
+        aot.run(args, settings)

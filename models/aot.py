@@ -1,0 +1,357 @@
+"""``fusedserve precompile``: compile a model repository's kernels ahead of time, for a GPU this
+machine need not have, into Triton's cache (``TRITON_CACHE_DIR``).
+
+A server's warm-up then loads every kernel it launches from that cache instead of compiling it (a
+fresh node: seconds per kernel). Each model is warmed as the compile workers warm it
+(``tune_worker.build_runner``, ``ModelRunner.warm``: every bucket up to ``--max-batch-size``, the
+provisional choices, or the tuned ones where the tune cache in ``FUSEDSERVE_TUNE_CACHE`` holds a
+whole bucket), on a *virtual GPU* (``virtual_gpu``): tensors live in host memory but report
+``cuda:0``, torch's device queries answer with the target's name, capability and SM count, and each
+Triton launch compiles for the target (``cuda``, its capability, warp 32) instead of running. The
+launchers, choices, argument specializations and options are the server's own code's, so Triton's
+cache keys are the ones the server computes. Where a C compiler is present, the launcher stubs Triton
+builds at a kernel's first launch (one per signature) are built into the cache too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fusedserve.kernels import device as kernel_device
+from fusedserve.kernels.arguments import interpreting
+from fusedserve.kernels.rules import batch_buckets
+from fusedserve.models import tune_worker
+from fusedserve.models.loading import latest_version, model_directories, read_config
+from fusedserve.models.precompile import default_workers, split
+
+log = logging.getLogger(__name__)
+
+# GPU models whose provisional choices are known per name (a shipped table or the rules), with their
+# compute capability and SMs: ``--capability`` picks those of one capability.
+KNOWN_GPUS = {"NVIDIA H100 80GB HBM3": ((9, 0), 132), "NVIDIA H200": ((9, 0), 132)}
+
+
+@dataclass(frozen=True)
+class Target:
+    """The GPU model kernels are compiled for: its name as torch reports it (the provisional table
+    and tune cache are kept per name), compute capability and SM count (tile rules read it)."""
+
+    name: str
+    capability: tuple[int, int]
+    sms: int
+
+    @property
+    def triton_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self.capability[0] * 10 + self.capability[1], 32)
+
+
+def targets(capability: str = "9.0", gpus: list[str] | None = None) -> list[Target]:
+    """``--gpu NAME`` or ``NAME:SMS`` entries (known names need no SMS), else every known GPU model of
+    ``capability`` ("9.0"). ValueError says what to pass instead."""
+    match = re.fullmatch(r"(\d+)\.(\d+)", capability.strip())
+    if match is None:
+        raise ValueError(f"capability must look like 9.0, got {capability!r}")
+    cap = (int(match[1]), int(match[2]))
+    if not gpus:
+        found = [Target(name, cap, sms) for name, (known, sms) in KNOWN_GPUS.items() if known == cap]
+        if not found:
+            raise ValueError(f"no known GPU model has capability {capability}: name one with --gpu NAME:SMS "
+                             f"(known: {', '.join(KNOWN_GPUS)})")
+        return found
+    out = []
+    for entry in gpus:
+        name, _, sms = entry.rpartition(":") if re.search(r":\d+$", entry) else (entry, "", "")
+        if sms:
+            out.append(Target(name, KNOWN_GPUS.get(name, (cap, 0))[0], int(sms)))
+        elif name in KNOWN_GPUS:
+            out.append(Target(name, *KNOWN_GPUS[name]))
+        else:
+            raise ValueError(f"--gpu {entry!r}: unknown GPU model; give its SM count as NAME:SMS "
+                             f"(the name as torch.cuda.get_device_name reports it)")
+    return out
+
+
+_CUDA0 = torch.device("cuda", 0)
+_CUDA_NAME = re.compile(r"cuda(:\d+)?")
+# Tensor attributes read through properties that answer for the virtual device.
+_GETTERS = {torch._C.TensorBase.__dict__["device"]: _CUDA0, torch._C.TensorBase.__dict__["is_cuda"]: True,
+            torch._C.TensorBase.__dict__["is_cpu"]: False}
+_ON_HOST_ALREADY = (torch.Tensor.cuda, torch.Tensor.pin_memory)
+
+
+def _host(value):
+    """``value`` with a CUDA device (a torch.device or its name) replaced by the CPU."""
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(value, str) and _CUDA_NAME.fullmatch(value):
+        return "cpu"
+    return value
+
+
+class _OnVirtualDevice(TorchFunctionMode):
+    """Every tensor says it is on ``cuda:0``; tensors asked for on CUDA (or in pinned memory) are made
+    in host memory."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        slot = getattr(func, "__self__", None)
+        if slot in _GETTERS:
+            return _GETTERS[slot]
+        if func in _ON_HOST_ALREADY:
+            return args[0]
+        kwargs.pop("pin_memory", None)
+        if "device" in kwargs:
+            kwargs["device"] = _host(kwargs["device"])
+        return func(*(_host(a) for a in args), **kwargs)
+
+
+class _TargetDriver:
+    """What Triton's JIT asks its active driver before compiling: the device, stream and target."""
+
+    def __init__(self, target: Target):
+        self.target = target.triton_target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def _torch_cuda_stand_ins(target: Target) -> dict:
+    """torch.cuda's functions the kernels and the runner call on the way to a launch, answering for
+    ``target`` as device 0 (no CUDA graph is ever captured: the runner warms eagerly)."""
+    props = SimpleNamespace(name=target.name, major=target.capability[0], minor=target.capability[1],
+                            multi_processor_count=target.sms)
+    return {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+            "get_device_name": lambda device=None: target.name,
+            "get_device_capability": lambda device=None: target.capability,
+            "get_device_properties": lambda device=None: props, "synchronize": lambda device=None: None,
+            "is_current_stream_capturing": lambda: False, "device": lambda device: contextlib.nullcontext()}
+
+
+@contextlib.contextmanager
+def virtual_gpu(target: Target, on_compile=None):
+    """Within the block this process computes as if ``target`` were ``cuda:0`` (see the module
+    docstring); every Triton launch compiles (into Triton's cache) and returns without running.
+    ``on_compile(kernel)`` is called with each launch's ``CompiledKernel``."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    if interpreting():
+        raise RuntimeError("unset TRITON_INTERPRET: precompiling builds GPU kernels, not interpreted ones")
+    run, touched = JITFunction.run, set()
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        touched.add(self)
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        if on_compile is not None:
+            on_compile(kernel)
+        return kernel
+
+    saved = {name: getattr(torch.cuda, name) for name in _torch_cuda_stand_ins(target)}
+    active = driver._active  # (private: DriverConfig.reset_active would build the real driver)
+    try:
+        for name, stand_in in _torch_cuda_stand_ins(target).items():
+            setattr(torch.cuda, name, stand_in)
+        JITFunction.run = compile_only
+        driver.set_active(_TargetDriver(target))
+        kernel_device.forget_devices()
+        with _OnVirtualDevice():
+            yield
+    finally:
+        JITFunction.run = run
+        driver._active = active
+        for name, original in saved.items():
+            setattr(torch.cuda, name, original)
+        for fn in touched:  # their binders hold the virtual target: a real launch builds its own
+            fn.device_caches.clear()
+        kernel_device.forget_devices()
+
+
+class Launchers:
+    """Builds the launcher stub of each compiled kernel into Triton's cache, as its first launch on a
+    GPU would (``CudaLauncher``: C source per signature, compiled by the C compiler and linked against
+    the driver's ``libcuda.so.1``). Without a driver here, it links against an empty library of that
+    name, kept as a dependency (``--no-as-needed``), so the node's driver serves the stub at run time.
+    Nothing built is loaded here. A context manager: the compiler settings last for the block."""
+
+    def __init__(self, workdir: Path, enabled: bool = True):
+        from triton.backends.nvidia import driver as nvidia
+
+        self._nvidia, self._workdir, self._seen, self.built = nvidia, workdir, set(), 0
+        self._cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+        self.available, self._saved_env = enabled and self._cc is not None, {}
+
+    def __enter__(self):
+        if self.available:
+            try:
+                self._nvidia.libcuda_dirs()
+            except AssertionError:  # no driver library here: link against a stand-in
+                self._set_env(TRITON_LIBCUDA_PATH=str(self._stand_in()), CC=str(self._workdir / "cc"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._nvidia.library_dirs.cache_clear()
+
+    def _set_env(self, **values) -> None:
+        for key, value in values.items():
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+        self._nvidia.library_dirs.cache_clear()
+
+    def _stand_in(self) -> Path:
+        """The workdir, holding an empty ``libcuda.so.1`` and a ``cc`` that keeps it as a dependency."""
+        source = self._workdir / "libcuda.c"
+        source.write_text("void fusedserve_libcuda_stand_in(void) {}\n")
+        subprocess.run([self._cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o",
+                        str(self._workdir / "libcuda.so.1"), str(source)], check=True, capture_output=True)
+        wrapper = self._workdir / "cc"
+        wrapper.write_text(f'#!/bin/sh\nexec "{self._cc}" -Wl,--no-as-needed "$@"\n')
+        wrapper.chmod(0o755)
+        return self._workdir
+
+    def utilities(self) -> None:
+        """Triton's driver module (``cuda_utils``), built once per node at its first CUDA use."""
+        if self.available:
+            had = hasattr(self._nvidia.CudaUtils, "instance")
+            self._built_here(lambda: self._nvidia.CudaUtils())
+            if not had and hasattr(self._nvidia.CudaUtils, "instance"):
+                del self._nvidia.CudaUtils.instance  # half-made without a driver: never reuse it
+
+    def __call__(self, kernel) -> None:
+        if self.available and id(kernel) not in self._seen:
+            self._seen.add(id(kernel))
+            self._built_here(lambda: self._nvidia.CudaLauncher(kernel.src, kernel.metadata))
+
+    def _built_here(self, build) -> None:
+        """``build()`` with Triton's module loading replaced by a stand-in (the module is for the
+        node's driver): a build ends once its module is in the cache, and a second kernel of the same
+        signature finds it there."""
+        from triton.runtime import build as builds
+
+        load = builds._load_module_from_path
+        builds._load_module_from_path = lambda name, path: object()  # (no attributes: the caller stops)
+        try:
+            build()
+        except AttributeError:  # what the caller read off the stand-in: the module is built and cached
+            pass
+        except (subprocess.CalledProcessError, RuntimeError) as exc:  # the C compiler failed: kernels only
+            log.warning("could not build Triton's launcher stubs (%s); kernels are compiled without them", exc)
+            self.available = False
+            return
+        finally:
+            builds._load_module_from_path = load
+        self.built += 1
+
+
+def compile_task(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
+                 launchers: bool = True) -> tuple[int, int]:
+    """Compile model ``name`` (a config.json's dict) at ``buckets`` for ``target`` as a server with
+    ``max_batch_size`` warms it; ``(kernel launches, launcher stubs built)``."""
+    from fusedserve.models.mlp import MLPConfig
+
+    launches = []
+    with tempfile.TemporaryDirectory() as workdir, Launchers(Path(workdir), launchers) as stubs:
+
+        def on_compile(kernel):
+            launches.append(kernel)
+            stubs(kernel)
+
+        start = time.perf_counter()
+        with virtual_gpu(target, on_compile):
+            runner = tune_worker.build_runner(MLPConfig.from_dict(config), name, "cuda:0", "triton", max_batch_size)
+            for bucket in buckets:
+                if runner.needs_tuning(bucket):
+                    runner.warm(bucket)  # provisional choices, as warm-up runs them
+                else:
+                    runner.tune(bucket)  # every path on its tuned choices, all in the tune cache: nothing timed
+        stubs.utilities()
+        log.info("compiled %r M=%s for %s: %d launches in %.1f s", name, ",".join(map(str, buckets)), target.name,
+                 len(launches), time.perf_counter() - start)
+    return len(launches), stubs.built
+
+
+def repository_models(repository) -> list[tuple[str, dict]]:
+    """``(name, config dict)`` of the served version of every model in ``repository``."""
+    return [(d.name, read_config(latest_version(d)[1]).to_dict()) for d in model_directories(repository)]
+
+
+def precompile(repository, max_batch_size: int, gpus: list[Target], jobs: int | None = None,
+               launchers: bool = True) -> dict:
+    """Compile every model of ``repository`` for every target in ``gpus``, in up to ``jobs`` processes
+    at once; a summary: models, buckets, targets, launches, launcher stubs, seconds."""
+    start = time.perf_counter()
+    models = repository_models(repository)
+    buckets = batch_buckets(max_batch_size)
+    jobs = jobs or default_workers()
+    keys = [(gpu, name, config) for gpu in gpus for name, config in models]  # one object each: split groups by it
+    groups = split([(key, bucket) for key in keys for bucket in buckets], jobs)
+    totals = [0, 0]
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter each: no state from this one
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(groups))), mp_context=context,
+                                                initializer=_log_to_stderr) as pool:
+        futures = [pool.submit(compile_task, *key, max_batch_size, group, launchers) for key, group in groups]
+        for future in futures:
+            for i, count in enumerate(future.result()):
+                totals[i] += count
+    return {"models": [name for name, _ in models], "buckets": buckets, "gpus": [g.name for g in gpus],
+            "launches": totals[0], "launchers": totals[1], "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _log_to_stderr() -> None:
+    """A compile process's progress lines (one per bucket) on stderr."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+
+def run(args, settings) -> None:
+    """``fusedserve precompile`` with ``settings`` (the repository and max batch size a server takes)."""
+    if settings.backend == "torch":
+        raise SystemExit("precompile: the torch backend runs no Triton kernels (FUSEDSERVE_BACKEND=torch)")
+    try:
+        gpus = targets(args.capability, args.gpu)
+    except ValueError as exc:
+        raise SystemExit(f"precompile: {exc}") from None
+    if args.cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = str(Path(args.cache_dir).resolve())
+    from triton import knobs
+
+    cache = Path(knobs.cache.dir)
+    before = cache_entries(cache)
+    print(f"precompiling {settings.model_repository} up to {settings.max_batch_size} rows for "
+          f"{', '.join(g.name for g in gpus)} into {cache}", flush=True)
+    summary = precompile(settings.model_repository, settings.max_batch_size, gpus, args.jobs, args.launchers)
+    after = cache_entries(cache)
+    print(f"{', '.join(summary['models'])} at M={','.join(map(str, summary['buckets']))}: {summary['launches']} "
+          f"kernel launches compiled in {summary['seconds']} s; {cache} holds {len(after)} kernels and launcher "
+          f"stubs ({len(after - before)} new)", flush=True)
+
+
+def cache_entries(cache: Path) -> set[str]:
+    """The entries of Triton's cache directory (one per compiled kernel or built module)."""
+    return {p.name for p in cache.iterdir() if p.is_dir()} if cache.is_dir() else set()

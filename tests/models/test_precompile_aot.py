@@ -1,0 +1,65 @@
+"""``fusedserve precompile`` (models.aot) on the CPU: which GPU models it compiles for, and that it
+writes sm_90 cubins and launcher stubs into Triton's cache. Whether those are exactly what a server
+launches is checked on a GPU (test_precompile_gpu.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fusedserve.models import MLP, MLPConfig, aot, save_model
+
+
+def test_targets_default_to_the_known_gpus_of_the_capability():
+    assert [t.name for t in aot.targets("9.0")] == list(aot.KNOWN_GPUS)
+    assert all(t.capability == (9, 0) and t.sms == 132 for t in aot.targets())
+
+
+def test_targets_take_names_and_sm_counts():
+    h100, pcie = aot.targets("9.0", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe:114"])
+    assert (h100.sms, pcie.name, pcie.sms, pcie.capability) == (132, "NVIDIA H100 PCIe", 114, (9, 0))
+    assert aot.targets("8.0", ["NVIDIA A100-SXM4-80GB:108"])[0].triton_target.arch == 80
+
+
+@pytest.mark.parametrize("capability, gpus, says", [
+    ("9", None, "must look like 9.0"), ("7.5", None, "no known GPU model has capability 7.5"),
+    ("9.0", ["Some GPU"], "give its SM count as NAME:SMS")])
+def test_bad_targets_say_what_to_pass(capability, gpus, says):
+    with pytest.raises(ValueError, match=says):
+        aot.targets(capability, gpus)
+
+
+def test_interpreted_kernels_cannot_be_precompiled(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="unset TRITON_INTERPRET"):
+        with aot.virtual_gpu(aot.targets()[0]):
+            pass
+
+
+@pytest.mark.timeout(600)
+def test_the_command_writes_sm90_cubins_and_launcher_stubs(tmp_path):
+    # One fp16 model of awkward widths, one bucket: every kernel of its warm-up (the normalization
+    # and each layer's provisional choice) compiles for the H100. In a process of its own: this
+    # one's kernels are interpreted (conftest), and the interpreter compiles nothing.
+    save_model(MLP(MLPConfig(70, (100,), 17, dtype="float16"), name="tiny"), tmp_path / "repo" / "tiny")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FUSEDSERVE_TUNE_CACHE"] = str(tmp_path / "tune")
+    cache = tmp_path / "triton"
+    result = subprocess.run([sys.executable, "-m", "fusedserve", "precompile", "--model-repository",
+                             str(tmp_path / "repo"), "--max-batch-size", "1", "--gpu", "NVIDIA H100 80GB HBM3",
+                             "--cache-dir", str(cache), "--jobs", "1"],
+                            env=env, capture_output=True, text=True, timeout=580)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cubins = sorted(cache.glob("*/*.cubin"))
+    kernels = {p.stem for p in cubins}
+    assert {"_normalize_kernel"} < kernels, kernels  # the input normalization, then the layers' kernels
+    for cubin in cubins:  # compiled for sm_90, as a launch on the H100 would key and build them
+        meta = json.loads(cubin.with_suffix(".json").read_text())
+        assert meta["target"] == {"backend": "cuda", "arch": 90, "warp_size": 32}, meta["target"]
+    assert f"{len(list(cache.iterdir()))} kernels and launcher stubs" in result.stdout, result.stdout
+    stubs = list(cache.glob("*/__triton_launcher*.so"))
+    if stubs:  # (built where a C compiler is present) linked to the driver the node will have
+        needed = subprocess.run(["readelf", "-d", str(stubs[0])], capture_output=True, text=True).stdout
+        assert "libcuda.so.1" in needed, needed
