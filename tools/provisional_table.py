@@ -16,6 +16,7 @@ converted from. ``kernels/provisional.py`` reads it.
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -23,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench import runs as stored  # noqa: E402
 from fusedserve.kernels.provisional import table_path  # noqa: E402  (sys.path)
-from fusedserve.kernels.rules import m_bucket  # noqa: E402
+from fusedserve.kernels.rules import SMALL_M_MAX, m_bucket  # noqa: E402
+from fusedserve.kernels.vendor.cublas import NAME as VENDOR  # noqa: E402
 
 FIELDS = ("dtype", "M", "N", "K", "static_weight", "kernel", "config")
 # The impls whose rows name the tuner's choice, and whether they ran with static_weight.
@@ -32,9 +34,10 @@ IMPLS = {"fusedserve": False, "fusedserve_static_weight": True}
 
 def parse_config(text: str) -> dict | None:
     """``"BLOCK_M=64,FMA=True"`` as ``{"BLOCK_M": 64, "FMA": True}``; None for a config some family
-    describes in another form (it cannot be matched to a candidate)."""
+    describes in another form (it cannot be matched to a candidate). A trailing note in parentheses
+    (``"op=linear (cuBLASLt addmm, then the activation)"``) is not part of the config."""
     config = {}
-    for part in text.split(","):
+    for part in re.sub(r"\s*\(.*\)$", "", text).split(","):
         key, sep, value = part.partition("=")
         if not sep:
             return None
@@ -45,12 +48,20 @@ def parse_config(text: str) -> dict | None:
 
 def winners(runs) -> dict:
     """``{(gpu, triton): {(dtype, M bucket, N, K, static): (date, kernel, config)}}``, the newest run
-    winning where several measured the same key."""
+    winning where several measured the same key. Where some run of a GPU had the vendor's family
+    win somewhere, its runs in which it never won were (most likely) made before it competed: their
+    winners past ``SMALL_M_MAX`` rows, where the vendor mostly wins, are left out."""
+    runs = list(runs)
+    with_vendor = {(run["gpu"], run["triton"]) for run in runs if _vendor_won(run)}
     tables = {}
     for run in runs:
-        chosen = tables.setdefault((run["gpu"], run["triton"]), {})
+        gpu = (run["gpu"], run["triton"])
+        chosen = tables.setdefault(gpu, {})
+        small_only = gpu in with_vendor and not _vendor_won(run)
         for row in run["rows"]:
             if row.get("impl") not in IMPLS or "median_us" not in row or not row.get("kernel"):
+                continue
+            if small_only and row["M"] > SMALL_M_MAX:
                 continue
             config = parse_config(row.get("config", ""))
             if config is None:
@@ -60,6 +71,10 @@ def winners(runs) -> dict:
             if key not in chosen or chosen[key][0] <= date:
                 chosen[key] = (date, row["kernel"], config)
     return tables
+
+
+def _vendor_won(run) -> bool:
+    return any(row.get("kernel") == VENDOR for row in run["rows"])
 
 
 def stored_runs(gpu: str, path: Path = stored.RESULTS / "kernels.jsonl") -> dict:
