@@ -191,16 +191,34 @@ function layerTable(layers, peaks, choices) {
   return table;
 }
 
-function renderModel(name, model, kernels, now, devices) {
+function deviceTable(name, byDevice) {
+  // One engine per device (--devices): each one's figures for this model; the section's are the totals.
+  const head = ["device", "requests", "requests / s", "latency p50", "p99", "queue depth (rows)", "errors by status"];
+  const body = el("tbody");
+  for (const [device, stats] of Object.entries(byDevice)) {
+    const m = stats.models[name];
+    if (!m) continue;
+    const errors = Object.entries(m.errors_by_status).map(([s, n]) => `${s} ×${n}`).join("  ") || "none";
+    body.append(el("tr", { "data-device": device }, el("td", {}, device),
+      el("td", { "data-field": "requests" }, fmtNumber(m.requests)), el("td", {}, fmtNumber(m.requests_per_s)),
+      el("td", {}, fmtSeconds(m.latency.p50_s)), el("td", {}, fmtSeconds(m.latency.p99_s)),
+      el("td", {}, fmtNumber(m.queued_rows)), el("td", {}, errors)));
+  }
+  return el("table", { "data-table": "devices" }, el("thead", {}, el("tr", {}, head.map((h) => el("th", {}, h)))), body);
+}
+
+function renderModel(name, model, kernels, now, devices, byDevice) {
   const served = kernels.served[name] || {};
   const kernel = kernels.models[name];
   const layers = kernels.layers.filter((r) => r.model === name);
-  const peaks = devices[model.device];
+  // Served on several devices, the totals' roof is the first one's ("cuda:0,cuda:1").
+  const peaks = devices[model.device] || devices[model.device.split(",")[0]];
   const section = el("section", { class: "model", "data-model": name },
     el("h2", {}, name),
     el("div", { class: "meta" }, `${model.in_features} → ${model.out_features} · ${model.dtype} · ` +
       `${model.backend} backend · ${model.device}`),
     renderFigures(name, model, kernel, now),
+    byDevice ? [el("h3", {}, "by device"), deviceTable(name, byDevice)] : null,
     el("div", { class: "charts" },
       el("div", {}, el("h3", {}, "batch sizes"), histogram(kernel && kernel.batch_size_histogram)),
       el("div", {}, el("h3", {}, `roofline (${peaks.name})`), roofline(layers, peaks, model.dtype))),
@@ -228,7 +246,8 @@ function render(models, kernels) {
   renderDevices(models.devices);
   const names = Object.keys(models.models);
   const main = document.getElementById("models");
-  main.replaceChildren(...names.map((n) => renderModel(n, models.models[n], kernels, now, models.devices)));
+  main.replaceChildren(...names.map((n) => renderModel(n, models.models[n], kernels, now, models.devices,
+    models.by_device)));
   if (!names.length) main.append(el("p", { class: "empty" }, "no models loaded yet"));
   const stray = models.unattributed;
   if (stray.requests) main.append(el("p", { class: "meta", "data-field": "unattributed" },
