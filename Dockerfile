@@ -53,6 +53,13 @@ RUN pip install --no-cache-dir --no-deps . \
     && chown -R fusedserve /models
 
 USER 10001
+# Triton's kernels for the shipped repository's batch buckets, compiled here for the sm_90 GPUs (H100,
+# H200) without one (`fusedserve precompile`, docs/deploy.md) into TRITON_CACHE_DIR: a fresh container
+# loads them at warm-up instead of compiling them. Buckets up to 256 rows also serve any smaller
+# FUSEDSERVE_MAX_BATCH_SIZE that is a power of two. The CPU flavour carries them too, unused, so
+# `make container-test` checks this step.
+ARG PRECOMPILE_MAX_BATCH_SIZE=256
+RUN fusedserve precompile --max-batch-size "$PRECOMPILE_MAX_BATCH_SIZE"
 # HTTP, and KServe v2 gRPC (FUSEDSERVE_GRPC_PORT's default)
 EXPOSE 8000 8001
 # Ready once every model is loaded, tuned and warm: on an H200 with an empty tune cache the shipped

@@ -184,3 +184,24 @@ def test_podman_stop_drains_then_exits_zero_within_the_grace_period():
     # answered, at most drain_s after the stop.
     assert exit_code == "0"
     assert elapsed < min(grace_s, drain_s + 5), f"stopped after {elapsed:.1f} s: drain {drain_s} s, grace {grace_s} s"
+
+
+# In the image, as its user: every cubin under TRITON_CACHE_DIR with the target it was compiled for.
+_LIST_KERNELS = """
+import json, os, pathlib
+cache = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
+print(json.dumps([[p.stem, json.loads(p.with_suffix(".json").read_text())["target"]["arch"]]
+                  for p in cache.glob("*/*.cubin")]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_image_holds_the_shipped_models_sm90_kernels():
+    kernels = json.loads(podman("run", "--rm", IMAGE, "python", "-c", _LIST_KERNELS).stdout)
+    assert kernels and {arch for _, arch in kernels} == {90}, kernels
+    # Compiling the shipped repository again finds every kernel its warm-up launches already there
+    # (a buckets' worth of the image's default batch size; the build compiled up to 256 rows).
+    again = podman("run", "--rm", IMAGE, "fusedserve", "precompile", "--jobs", "1", "--no-launchers",
+                   "--max-batch-size", "8", check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(0 new)" in again.stdout, again.stdout + again.stderr[-2000:]
