@@ -53,6 +53,7 @@ async def _lifespan(app: FastAPI):
     runners = await startup.load(state, app.state.timing_sink)
     # gRPC listens from here, like HTTP: liveness and metadata now, readiness and inference once warm.
     grpc_server = await _start_grpc(app)
+    state.startup.record("front_ends")  # HTTP (and gRPC) answer from here: liveness now, inference once warm
     # Warm-up (autotuning, CUDA graphs) can take a while: serve liveness meanwhile, readiness after.
     warm = asyncio.create_task(startup.warm_up_and_serve(state, runners))
     try:

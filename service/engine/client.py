@@ -158,6 +158,7 @@ class LocalEngine:
                    "backend": m.backend, "device": m.device,
                    "layer_timings": _timing_policy(state.runners[name]), **_choices(state.runners[name])}
             for name, m in state.models.items()}
+        snap["startup"] = state.startup.snapshot()  # each start-up phase's seconds, and when it ended
         return snap
 
     async def reset_stats(self) -> None:

@@ -4,6 +4,7 @@ shared by the single-process app's lifespan and the engine process of ``--worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -36,8 +37,12 @@ def _load_runners(settings: Settings, failed: dict[str, str]) -> list:
 async def load(state: ServiceState, timing_sink) -> list:
     """Load every model of the repository into ``state`` (known, not yet warm); returns the runners.
     Loading errors (missing repository, bad config) raise with their message."""
+    state.startup.record("engine_start")  # the command's and this process's imports and set-up
+    start = time.perf_counter()
     loaded = await asyncio.to_thread(_load_runners, state.settings, state.failed)
     runners = [runner for runner, _ in loaded]
+    # torch's import and the devices' set-up come with the first model
+    state.startup.record("load", time.perf_counter() - start, models=len(runners))
     if state.settings.torch_threads and any(r.device.type == "cpu" for r in runners):
         import torch
 
@@ -50,32 +55,66 @@ async def load(state: ServiceState, timing_sink) -> list:
     return runners
 
 
+@contextlib.contextmanager
+def _counting_compiles(runners: list):
+    """Within the block, the names of the Triton kernels this process compiles (a miss of Triton's
+    cache: what compile workers or an image's precompiled cache did not hold), in a list."""
+    compiled: list[str] = []
+    if not any(r.device.type == "cuda" for r in runners):
+        yield compiled
+        return
+    from triton import knobs
+
+    def listen(src, cache_hit, **_):
+        if not cache_hit:
+            compiled.append(getattr(src, "name", "?"))
+
+    previous, knobs.compilation.listener = knobs.compilation.listener, listen
+    try:
+        yield compiled
+    finally:
+        knobs.compilation.listener = previous
+
+
+async def _compile_ahead(state: ServiceState, runners: list) -> None:
+    """A cold start's kernels compiled in worker processes at once (``models.precompile``)."""
+    from fusedserve.models.precompile import compile_ahead
+
+    start = time.perf_counter()
+    try:
+        await asyncio.to_thread(compile_ahead, runners)
+    except Exception:  # not fatal: each runner's own warm-up below compiles what is missing
+        log.exception("compiling ahead failed; each model compiles its own kernels")
+    state.startup.record("compile", time.perf_counter() - start)
+
+
 async def _warm_up(state: ServiceState, runners: list) -> list:
     """The runners that warmed up. A failure stops start-up (readiness says why) or, with
     ``exit_on_error`` off, leaves only that model out of serving."""
     warm = []
     if state.settings.parallel_compile:
-        from fusedserve.models.precompile import compile_ahead
-
-        try:
-            await asyncio.to_thread(compile_ahead, runners)
-        except Exception:  # not fatal: each runner's own warm-up below compiles what is missing
-            log.exception("compiling ahead failed; each model compiles its own kernels")
-    for runner in runners:
-        try:
-            seconds = await asyncio.to_thread(runner.warmup)
-        except Exception as exc:  # readiness reports it; the process stays up to say why
-            log.exception("warm-up of %r failed", runner.name)
-            why = reason(exc, state.settings)
-            if state.settings.exit_on_error:
-                state.startup_error = why
-                return []
-            state.failed[runner.name] = f"{WARMUP_FAILED}: {why}"
-            state.models.pop(runner.name, None)
-            state.runners.pop(runner.name, None)
-            continue
-        log.info("warmed up %r: %s", runner.name, seconds)
-        warm.append(runner)
+        await _compile_ahead(state, runners)
+    start = time.perf_counter()
+    with _counting_compiles(runners) as compiled:
+        for runner in runners:
+            try:
+                seconds = await asyncio.to_thread(runner.warmup)
+            except Exception as exc:  # readiness reports it; the process stays up to say why
+                log.exception("warm-up of %r failed", runner.name)
+                why = reason(exc, state.settings)
+                if state.settings.exit_on_error:
+                    state.startup_error = why
+                    return []
+                state.failed[runner.name] = f"{WARMUP_FAILED}: {why}"
+                state.models.pop(runner.name, None)
+                state.runners.pop(runner.name, None)
+                continue
+            log.info("warmed up %r: %s", runner.name, seconds)
+            warm.append(runner)
+    split = {f"{phase}_s": round(sum(r.startup_seconds[phase] for r in warm), 3) for phase in ("compile", "capture")}
+    state.startup.record("warm_up", time.perf_counter() - start, **split, kernels_compiled=len(compiled))
+    if compiled:  # after compile workers or a precompiled cache, a sign that they compiled other kernels
+        log.info("warm-up compiled %d kernels in this process: %s", len(compiled), sorted(set(compiled)))
     if not warm and not state.startup_error:
         state.startup_error = f"no model could be served: {state.failed}"
     return warm
@@ -84,7 +123,6 @@ async def _warm_up(state: ServiceState, runners: list) -> list:
 async def warm_up_and_serve(state: ServiceState, runners: list) -> None:
     """Warm every runner up, then start one batcher per model and, where a bucket started on a
     provisional kernel choice, the background tuner."""
-    start = time.perf_counter()
     runners = await _warm_up(state, runners)
     if not runners:
         return
@@ -100,8 +138,8 @@ async def warm_up_and_serve(state: ServiceState, runners: list) -> None:
         gc.collect()
         gc.freeze()
     state.serving = True
-    log.info("ready after %.1f s (warm-up %.2f s): %s", seconds_since_start(), time.perf_counter() - start,
-             sorted(state.batchers))
+    state.startup.record("ready", models=sorted(state.batchers))
+    log.info("ready after %.1f s since start: %s", seconds_since_start(), sorted(state.batchers))
     if settings.background_tuning and any(r.provisional_buckets() for r in runners):
         from fusedserve.models.background import BackgroundTuner
 

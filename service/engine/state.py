@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from fusedserve.service.errors import BadInput, NotReady, UnknownModel
+from fusedserve.service.logs import seconds_since_start
 from fusedserve.service.settings import Settings
 from fusedserve.service.stats.metrics import Metrics
 from fusedserve.service.stats.service_stats import ServiceStats
@@ -29,6 +31,30 @@ class ModelInfo:
     backend: str
     device: str
     version: str = "1"  # the served version (a numbered folder of the model directory, or "1")
+    labels: tuple[str, ...] = ()  # a classifier's class labels, one per output (service.classification)
+
+
+log = logging.getLogger("fusedserve")
+
+
+class Startup:
+    """Where start-up's time went, phase by phase, each logged once as it ends: its seconds, when it
+    ended (``at_s``, seconds since the command started) and what it did. /kernel-stats shows it."""
+
+    def __init__(self):
+        self.phases: dict[str, dict] = {}
+
+    def record(self, phase: str, seconds: float | None = None, **detail) -> None:
+        """``phase`` ended now, after ``seconds`` (None: a moment, not a span); ``detail`` says what it did."""
+        at = seconds_since_start()
+        entry = {"at_s": round(at, 3), **({} if seconds is None else {"seconds": round(seconds, 3)}), **detail}
+        self.phases[phase] = entry
+        took = "" if seconds is None else f" in {seconds:.2f} s"
+        extra = "".join(f", {key} {value}" for key, value in detail.items())
+        log.info("start-up: %s%s, %.2f s since start%s", phase, took, at, extra)
+
+    def snapshot(self) -> dict:
+        return {phase: dict(entry) for phase, entry in self.phases.items()}
 
 
 @dataclass
@@ -48,6 +74,7 @@ class ServiceState:
     failed: dict[str, str] = field(default_factory=dict)
     # Run once, on the event loop, when draining starts: each front end's own drain (gRPC's).
     drain_hooks: list[Callable[[], None]] = field(default_factory=list)
+    startup: Startup = field(default_factory=Startup)  # start-up's phases and their seconds
 
     @classmethod
     def fresh(cls, settings: Settings) -> ServiceState:
