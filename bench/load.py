@@ -21,6 +21,8 @@ against throughput.
     python bench/load.py --device cuda --quick                      # a GPU host, ~4 min once warm
     python bench/load.py --replot bench/results/load.jsonl:5 --plot load.png   # a stored run's plot
     python bench/load.py --fusedserve-flags="--workers 4" --server 'mine=python -m mymod --port {port}'
+    python bench/load.py --device cuda --models wide --clients 256 --devices cuda:0 all \\
+        --servers fusedserve fusedserve_all   # a multi-GPU host: every GPU against one
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=max(2, min(8, cores // 2)), help="load generator processes")
     p.add_argument("--naive-workers", type=int, help="uvicorn workers of the N-worker naive app (cpu: cores; cuda: 12)")
     p.add_argument("--fusedserve-flags", default="", help='extra flags for fusedserve, e.g. "--workers 4"')
+    p.add_argument("--devices", nargs="+", help="fusedserve once per value of its --devices (cuda:0 all: one GPU "
+                   "against every GPU); the first keeps the name fusedserve, the others fusedserve_<value>")
     p.add_argument("--server", action="append", default=[], metavar="NAME=COMMAND",
                    help="add or replace a server; {python} {port} {repo} {device} are filled in")
     p.add_argument("--servers", nargs="+", help="only these servers (default: all; LitServe where installed)")
@@ -260,7 +264,7 @@ def profile(pool: LoadPool, servers: dict, traffic: dict, args, work: Path) -> d
 
 def specs(args) -> tuple[dict, dict]:
     """The servers to run and those skipped (with why)."""
-    all_specs = default_servers(args.naive_workers, args.fusedserve_flags.split())
+    all_specs = default_servers(args.naive_workers, args.fusedserve_flags.split(), args.devices)
     for text in args.server:
         spec = parse_server(text)
         all_specs[spec.name] = spec

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -63,9 +64,20 @@ def litserve_spec() -> ServerSpec:
                       pause_when_idle=True, protocols=("json",))
 
 
-def default_servers(naive_workers: int, fusedserve_flags: list[str]) -> dict[str, ServerSpec]:
-    """The peers of issue 22: fusedserve, the naive app with 1 and N workers, LitServe."""
-    specs = [fusedserve_spec("fusedserve", fusedserve_flags), naive_spec(1)]
+def device_specs(devices: list[str], extra_flags: list[str]) -> list[ServerSpec]:
+    """fusedserve once per ``--devices`` value, to compare them in one run (``cuda:0 all``: one GPU
+    against every GPU): the first is ``fusedserve``, the others ``fusedserve_<value>`` (``fusedserve_all``)."""
+    names = ["fusedserve", *(f"fusedserve_{re.sub('[^A-Za-z0-9]+', '_', value)}" for value in devices[1:])]
+    return [fusedserve_spec(name, [*extra_flags, "--devices", value])
+            for name, value in zip(names, devices, strict=True)]
+
+
+def default_servers(naive_workers: int, fusedserve_flags: list[str],
+                    devices: list[str] | None = None) -> dict[str, ServerSpec]:
+    """The peers of issue 22: fusedserve (once per ``devices`` value, if given), the naive app with 1
+    and N workers, LitServe."""
+    ours = device_specs(devices, fusedserve_flags) if devices else None
+    specs = [*(ours or [fusedserve_spec("fusedserve", fusedserve_flags)]), naive_spec(1)]
     if naive_workers > 1:
         specs.append(naive_spec(naive_workers))
     specs.append(litserve_spec())

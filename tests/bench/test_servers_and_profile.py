@@ -31,6 +31,13 @@ def test_default_servers_are_issue_22s_peers_and_fusedserve_takes_extra_flags():
     assert list(default_servers(1, [])) == ["fusedserve", "naive_fastapi_1w", "litserve"]
 
 
+def test_devices_start_fusedserve_once_per_value():
+    specs = default_servers(1, ["--workers", "4"], ["cuda:0", "all", "cuda:0,cuda:1"])
+    assert list(specs) == ["fusedserve", "fusedserve_all", "fusedserve_cuda_0_cuda_1", "naive_fastapi_1w", "litserve"]
+    assert specs["fusedserve"].argv[-4:] == ("--workers", "4", "--devices", "cuda:0")
+    assert specs["fusedserve_cuda_0_cuda_1"].argv[-2:] == ("--devices", "cuda:0,cuda:1")
+
+
 def test_parse_server_splits_name_and_command_and_refuses_a_bare_name():
     spec = parse_server("fs_w4=python -m fusedserve serve --port {port} --workers 4")
     assert spec.name == "fs_w4" and spec.argv == ("python", "-m", "fusedserve", "serve", "--port", "{port}",
