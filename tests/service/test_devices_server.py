@@ -93,7 +93,8 @@ def check_balanced_and_counted(server: Server, labels: list[str], want: np.ndarr
         return
     served = _served(stats)
     assert sorted(served) == sorted(labels) and sum(served.values()) == len(record), served
-    assert min(served.values()) >= 0.2 * len(record), f"load not spread over the engines: {served}"
+    fair = len(record) / len(labels)
+    assert min(served.values()) >= 0.4 * fair, f"load not spread over the engines: {served}"
     assert {s.labels["device"]: s.value for s in ok} == served, ok
     assert {label: part["models"]["tiny"]["requests"] for label, part in page["by_device"].items()} == served
     assert page["models"]["tiny"]["device"] == ",".join(labels)
@@ -186,12 +187,13 @@ def test_a_stopped_engine_leaves_rotation_while_the_other_serves(tmp_path, repo)
         record: list = []
         probes: list = []
         stopped_at = time.monotonic() + 0.5
-        asyncio.run(load(s.port, 4.5, record, signal_then_probe(s, pid, signal.SIGSTOP, 0.5, 1.5, probes)))
+        asyncio.run(load(s.port, 5.0, record, signal_then_probe(s, pid, signal.SIGSTOP, 0.5, 1.5, probes)))
         refused = check_answers(record, want_output(repo))
         assert len(refused) <= CLIENTS, len(refused)
         assert probes == [200] * 3, probes
-        # Found by each front end's heartbeat within 1-1.5 s (more on a busy box); after that, only cpu:0.
-        late = [r for r in record if r[0] > stopped_at + 2.5]
+        # Found by each front end's heartbeat within 1-1.5 s, or by the supervisor's kill at ~2 s (a
+        # busy box may delay either a little); after that, only cpu:0 answers.
+        late = [r for r in record if r[0] > stopped_at + 3.0]
         assert late and all(r[2] == 200 for r in late), "requests after the stop was found did not all succeed"
         end = time.monotonic() + 10  # the supervisor kills it at twice the timeout and starts another
         while time.monotonic() < end and "sent no heartbeat" not in s.log.read_text():
