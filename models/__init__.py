@@ -1,6 +1,8 @@
-"""MLP models built from fused linear layers: definition, loading, running, the shipped repository."""
+"""MLP models built from fused linear layers: definition, loading, importing (ONNX, PyTorch,
+scikit-learn), running, the shipped repository."""
 
 from fusedserve.kernels.rules import batch_buckets
+from fusedserve.models.importing import from_onnx, from_sklearn, from_torch
 from fusedserve.models.loading import (
     DEFAULT_REPOSITORY,
     latest_version,
@@ -22,6 +24,9 @@ __all__ = [
     "MLPConfig",
     "ModelRunner",
     "batch_buckets",
+    "from_onnx",
+    "from_sklearn",
+    "from_torch",
     "latest_version",
     "load_model",
     "load_repository",

@@ -100,7 +100,23 @@ def parser() -> argparse.ArgumentParser:
     pre.add_argument("--cache-dir", help="Triton's cache to fill (default TRITON_CACHE_DIR, else ~/.triton/cache)")
     pre.add_argument("--jobs", type=int, default=None, help="compile processes at once (default: half the cores, <= 8)")
     pre.add_argument("--no-launchers", dest="launchers", action="store_false", help="skip Triton's launcher stubs")
+    _add_import(sub)
     return top
+
+
+def _add_import(sub) -> None:
+    """``fusedserve import``'s flags (``models.importing.command`` runs it)."""
+    imp = sub.add_parser("import", help="turn an ONNX, PyTorch or scikit-learn MLP into a model directory")
+    imp.add_argument("source", help="the model file: .onnx; .pt2 (torch.export); .pt/.pth (a state_dict, or a "
+                     "pickled nn.Module with --allow-pickle); .pkl/.joblib (scikit-learn, with --allow-pickle)")
+    imp.add_argument("destination", metavar="REPOSITORY/NAME", help="the model directory to write")
+    imp.add_argument("--version", type=int, default=None, help="write the model's version folder N")
+    imp.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the source's weights')")
+    imp.add_argument("--activation", default=None,
+                     help="a state_dict's hidden activations: one name, or one per hidden layer (relu,gelu)")
+    imp.add_argument("--output-activation", default=None, help="a state_dict's last activation (softmax, ...)")
+    imp.add_argument("--allow-pickle", action="store_true",
+                     help="read a pickle (a whole nn.Module, a scikit-learn model): only for files you trust")
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -163,3 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 
         configure("info", "text")
         aot.run(args, settings)
+    elif args.command == "import":
+        from fusedserve.models.importing import command
+
+        raise SystemExit(command.run(args))

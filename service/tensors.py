@@ -13,7 +13,7 @@ from fusedserve.service.engine.state import ModelInfo
 from fusedserve.service.errors import BadInput, UnknownModel
 
 SERVER_NAME, SERVER_VERSION = "fusedserve", "0.1.0"
-EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "model_repository")
+EXTENSIONS = ("binary_tensor_data", "classification", "statistics", "model_configuration", "model_repository")
 VERSION = "1"  # of a model directory without numbered version folders
 INPUT, OUTPUT = "input", "output"
 OUTPUT_DATATYPE = "FP32"

@@ -34,7 +34,7 @@ def load_runner(settings: Settings, name: str, sink=None):
     model = models.load_model(path, device=device, backend=backend, name=name)
     runner = models.ModelRunner(model, max_batch_size=settings.max_batch_size, timing_sink=sink)
     info = ModelInfo(name, runner.in_features, runner.out_features, str(runner.dtype).removeprefix("torch."),
-                     runner.backend, str(runner.device), version)
+                     runner.backend, str(runner.device), version, model.labels)
     return runner, info
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf import json_format
 
-from fusedserve.service import tensors
+from fusedserve.service import classification, tensors
 from fusedserve.service.engine.state import ModelInfo
 from fusedserve.service.errors import BadInput
 from fusedserve.service.grpc import inference_pb2 as pb
@@ -73,7 +73,20 @@ def decode(request, info: ModelInfo, max_rows: int) -> tuple[np.ndarray, bool]:
     for out in request.outputs:
         if out.name != OUTPUT:
             raise BadInput(f"unknown output {out.name!r}: model {info.name!r} has one output, {OUTPUT!r}")
+    _class_count(request, info)
     return check_rows(x, "inputs[0]", info.in_features, max_rows), _raw_output(request, bool(raw))
+
+
+def _class_count(request, info: ModelInfo) -> int | None:
+    """The classes an output's ``classification`` parameter asks for, checked; None: raw outputs."""
+    for i, out in enumerate(request.outputs):
+        if classification.PARAMETER in out.parameters:
+            param = out.parameters[classification.PARAMETER]
+            where = f"outputs[{i}].parameters.{classification.PARAMETER}"
+            if param.WhichOneof("parameter_choice") != "int64_param":
+                raise BadInput(f"{where} must be an int64_param")
+            return classification.check_count(param.int64_param, info, where)
+    return None
 
 
 def timeout_s(request, limit_s: float) -> float:
@@ -86,14 +99,29 @@ def timeout_s(request, limit_s: float) -> float:
 
 
 def encode(request, info: ModelInfo, out: np.ndarray, raw: bool):
-    """The ``ModelInferResponse`` for ``out`` ([rows, out_features])."""
+    """The ``ModelInferResponse`` for ``out`` ([rows, out_features]), or its top classes where the
+    request asks for them (``service.classification``)."""
     out = np.ascontiguousarray(out, dtype=np.float32)
+    k = _class_count(request, info)
+    if k is not None:
+        return _classes(request, info, classification.strings(out, k, info.labels), (out.shape[0], k), raw)
     tensor = pb.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype=tensors.OUTPUT_DATATYPE, shape=out.shape)
     if raw:
         return pb.ModelInferResponse(model_name=info.name, model_version=info.version, id=request.id,
                                      outputs=[tensor], raw_output_contents=[out.tobytes()])
     tensor.contents.fp32_contents.extend(out.ravel().tolist())
     return pb.ModelInferResponse(model_name=info.name, model_version=info.version, id=request.id, outputs=[tensor])
+
+
+def _classes(request, info: ModelInfo, strings: list[str], shape: tuple, raw: bool):
+    tensor = pb.ModelInferResponse.InferOutputTensor(name=OUTPUT, datatype=classification.DATATYPE, shape=shape)
+    response = pb.ModelInferResponse(model_name=info.name, model_version=info.version, id=request.id)
+    if raw:
+        response.raw_output_contents.append(classification.bytes_tensor(strings))
+    else:
+        tensor.contents.bytes_contents.extend(s.encode() for s in strings)
+    response.outputs.append(tensor)
+    return response
 
 
 def model_metadata(info: ModelInfo):

@@ -86,7 +86,7 @@ class HotPath:
             model = info.name if info is not None else ""
             raw = await read_asgi_body(receive, _text(headers, b"content-length"), state.settings.max_body_bytes)
             if kind == "infer":
-                info, inputs = infer_body.parse(engine, raw)
+                info, inputs, top_k = infer_body.parse(engine, raw)
                 model = info.name
                 x = infer_body.rows(state, info, inputs, raw)
             else:
@@ -95,7 +95,7 @@ class HotPath:
             out = await run_rows(engine, info.name, x, timeout_s(state, _text(headers, _TIMEOUT)), receive, gone,
                                  alone)
             if kind == "infer":
-                return 200, infer_body.encode(info, out), _JSON, {}
+                return 200, infer_body.encode(info, out, top_k), _JSON, {}
             body, media_type, extra = v2_body.encode(info, req, binary, out)
             return 200, body, media_type.encode(), extra
         except ServiceError as exc:

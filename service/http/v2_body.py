@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fusedserve.service import tensors
+from fusedserve.service import classification, tensors
 from fusedserve.service.engine.client import Engine
 from fusedserve.service.engine.state import ModelInfo, ServiceState
 from fusedserve.service.errors import BadInput
@@ -133,24 +133,42 @@ def _wants_binary(req: dict) -> bool:
     return bool(wanted)
 
 
+def _class_count(req: dict, info: ModelInfo) -> int | None:
+    """The classes the request asks for (``classification`` on its output), checked; None: raw outputs."""
+    for i, spec in enumerate(req.get("outputs") or []):  # (each checked an object by _wants_binary)
+        params = _object(_object(spec, "").get("parameters"), "")
+        if classification.PARAMETER in params:
+            where = f"outputs[{i}].parameters.{classification.PARAMETER}"
+            return classification.check_count(params[classification.PARAMETER], info, where)
+    return None
+
+
 def decode(state: ServiceState, info: ModelInfo, body: bytes, header_length: str | None
            ) -> tuple[dict, np.ndarray, bool]:
     """The request's JSON header, its float32 rows for ``info``'s model and whether it asks for
     binary outputs; BadInput for anything wrong, before anything is computed."""
     req, x = _parse_infer(body, header_length, info, state.settings.rows_per_request)
-    return req, x, _wants_binary(req)
+    binary = _wants_binary(req)
+    _class_count(req, info)
+    return req, x, binary
 
 
 def encode(info: ModelInfo, req: dict, binary: bool, out: np.ndarray) -> tuple[bytes, str, dict]:
-    """(body, media type, extra headers) of the answer: JSON tensors, or the binary extension."""
+    """(body, media type, extra headers) of the answer: JSON tensors, or the binary extension; the
+    top classes as strings where the request asks for them (``service.classification``)."""
+    k = _class_count(req, info)
+    datatype, shape = (tensors.OUTPUT_DATATYPE, list(out.shape)) if k is None else \
+        (classification.DATATYPE, [out.shape[0], k])
     result = {"model_name": info.name, "model_version": info.version,
-              "outputs": [{"name": OUTPUT, "datatype": tensors.OUTPUT_DATATYPE, "shape": list(out.shape)}]}
+              "outputs": [{"name": OUTPUT, "datatype": datatype, "shape": shape}]}
     if "id" in req:
         result["id"] = req["id"]
+    classes = None if k is None else classification.strings(out, k, info.labels)
     if not binary:
-        result["outputs"][0]["data"] = np.ascontiguousarray(out).ravel()
+        result["outputs"][0]["data"] = np.ascontiguousarray(out).ravel() if classes is None else classes
         return dump_json(result), "application/json", {}
-    raw = np.ascontiguousarray(out, dtype=np.float32).tobytes()
+    raw = np.ascontiguousarray(out, dtype=np.float32).tobytes() if classes is None else \
+        classification.bytes_tensor(classes)
     result["outputs"][0]["parameters"] = {"binary_data_size": len(raw)}
     header = dump_json(result)
     return header + raw, "application/octet-stream", {"Inference-Header-Content-Length": str(len(header))}

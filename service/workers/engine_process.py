@@ -146,7 +146,8 @@ class EngineServer:
     def status(self) -> dict:
         state = self.state
         self._names = list(state.models)
-        return {"models": [[m.name, m.in_features, m.out_features, m.dtype, m.backend, m.device, m.version]
+        return {"models": [[m.name, m.in_features, m.out_features, m.dtype, m.backend, m.device, m.version,
+                            list(m.labels)]
                            for m in state.models.values()],
                 "failed": dict(state.failed),
                 "serving": state.serving, "live": self.engine.live(), "ready": state.ready,

@@ -24,8 +24,8 @@ _EXAMPLE = {"model": "mymodel", "inputs": [[0.5, 3.0, -1.25], [1.0, 0.0, 2.0]]}
 )
 async def infer_route(request: Request, state: Annotated[ServiceState, Depends(get_state)]) -> Response:
     raw = await read_body(request, state.settings.max_body_bytes)
-    info, inputs = infer_body.parse(request.app.state.engine, raw)
+    info, inputs, top_k = infer_body.parse(request.app.state.engine, raw)
     request.state.model = info.name
     x = infer_body.rows(state, info, inputs, raw)
     out = await infer(state, request, info.name, x)
-    return Response(infer_body.encode(info, out), media_type="application/json")
+    return Response(infer_body.encode(info, out, top_k), media_type="application/json")
