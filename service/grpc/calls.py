@@ -5,13 +5,17 @@ run one call, unary or streaming, through what they ask of its connection (``Car
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from google.protobuf.message import DecodeError
+
+from fusedserve.service.http.middleware import log_call
 
 log = logging.getLogger("fusedserve")
 
@@ -88,16 +92,18 @@ class Method:
     parse: Callable[[bytes], object]
     handler: Callable
     streaming: bool
+    path: str = ""  # what clients call it by (the access log's path); the name where unset
 
 
 class CallContext:
     """What a handler may ask of its call (grpc.aio's servicer context, the parts we use)."""
 
-    __slots__ = ("_deadline", "_metadata", "encoding")
+    __slots__ = ("_deadline", "_metadata", "encoding", "started")
 
     def __init__(self, deadline: float | None, metadata: tuple, encoding: str = "identity"):
         self._deadline, self._metadata = deadline, metadata
         self.encoding = encoding  # grpc-encoding: how the call's flagged messages are compressed
+        self.started = time.perf_counter()  # the access log's duration counts from here
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else self._deadline - asyncio.get_running_loop().time()
@@ -146,7 +152,7 @@ def open_call(methods: dict[str, Method], refuse, headers) -> tuple[Method, floa
         raise Abort("UNIMPLEMENTED", f"unknown method {_echo(path)}")
     refusal = refuse and refuse(method.name, metadata)
     if refusal and method.streaming:  # told on its first message: a client's first write would fail blindly
-        method = Method(method.name, method.parse, refuse_stream(refusal), True)
+        method = dataclasses.replace(method, handler=refuse_stream(refusal), streaming=True)
     elif refusal:
         raise Abort("UNAUTHENTICATED", refusal)
     encoding = fields.get("grpc-encoding") or "identity"
@@ -204,10 +210,10 @@ async def unary_call(connection: Carrier, stream, message: bytes) -> None:
     try:
         response = await stream.method.handler(stream.method.parse(message), stream.context)
     except Exception as exc:  # noqa: BLE001 - every call is answered with a status
-        connection.finish(stream, *_status_of(exc))
+        _finish(connection, stream, *_status_of(exc))
         return
     connection.send_message(stream, response.SerializeToString())
-    connection.finish(stream, "OK", "")
+    _finish(connection, stream, "OK", "")
 
 
 async def stream_call(connection: Carrier, stream) -> None:
@@ -217,7 +223,15 @@ async def stream_call(connection: Carrier, stream) -> None:
             connection.send_message(stream, response.SerializeToString())
     except Exception as exc:  # noqa: BLE001 - every call is answered with a status
         failure.append(exc)
-    connection.finish(stream, *(_status_of(failure[0]) if failure else ("OK", "")))
+    _finish(connection, stream, *(_status_of(failure[0]) if failure else ("OK", "")))
+
+
+def _finish(connection: Carrier, stream, code: str, message: str) -> None:
+    """End the call with its status, and write its access-log line."""
+    connection.finish(stream, code, message)
+    context = stream.context
+    log_call(stream.method.path or stream.method.name, context.invocation_metadata(), context.started, code,
+             STATUS[code])
 
 
 async def _requests(connection: Carrier, stream, failure: list) -> AsyncIterator:

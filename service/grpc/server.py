@@ -241,8 +241,9 @@ def methods(servicer: InferenceServicer) -> dict[str, calls.Method]:
     for method in SERVICE.methods:
         handler = getattr(servicer, method.name, None)
         if handler is not None:
-            found[f"{SERVICE_PATH}/{method.name}"] = calls.Method(
-                method.name, getattr(pb, method.input_type.name).FromString, handler, method.client_streaming)
+            path = f"{SERVICE_PATH}/{method.name}"
+            found[path] = calls.Method(method.name, getattr(pb, method.input_type.name).FromString, handler,
+                                       method.client_streaming, path)
     return found
 
 

@@ -58,8 +58,24 @@ def log_access(scope, status: int, start: float, request_id: bytes) -> None:
         elif scope.get(CLIENT_GONE) and status != 499:
             extra["status"], extra["undelivered_status"] = 499, status
             note = f" (answer {status} not delivered: the client closed the connection)"
-        access_log.info("%s %s %d %.2f ms request_id=%s%s", scope["method"], scope["path"], extra["status"], ms,
-                        rid, note, extra=extra)
+        _write("%s %s %d %.2f ms request_id=%s%s", (scope["method"], scope["path"], extra["status"], ms, rid, note),
+               extra)
+
+
+def log_call(path: str, metadata: tuple, started: float, code: str, number: int) -> None:
+    """A gRPC call's access-log line, with HTTP's fields (``status``: the gRPC status number) and
+    ``grpc_status`` (its name); the request id is the call's ``x-request-id`` metadata, if sent."""
+    if access_log.isEnabledFor(logging.INFO):
+        rid = next((v for k, v in metadata if k == "x-request-id"), "")[:200] or "-"
+        ms = (time.perf_counter() - started) * 1e3
+        extra = {"request_id": rid, "method": "POST", "path": path, "status": number, "grpc_status": code,
+                 "duration_ms": round(ms, 3)}
+        _write("gRPC %s %s %.2f ms request_id=%s", (path, code, ms, rid), extra)
+
+
+def _write(message: str, args: tuple, extra: dict) -> None:
+    # makeRecord, not .info(): a record without its caller (findCaller walks the stack, per request).
+    access_log.handle(access_log.makeRecord(access_log.name, logging.INFO, "", 0, message, args, None, extra=extra))
 
 
 INTERNAL_ERROR = b'{"error":"internal server error; see the server log"}'
