@@ -25,6 +25,7 @@ GPU's clocks during the shape is shared by all of them rather than charged to wh
 """
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -52,6 +53,7 @@ from bench.kernel_random import (  # noqa: E402
 from fusedserve.kernels import KERNELS, fused_linear, kernel_choice, run_kernel, tune_cache  # noqa: E402  (sys.path)
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.precision import dot_precision  # noqa: E402
+from fusedserve.kernels.provisional import choosing_mode  # noqa: E402
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
@@ -160,6 +162,19 @@ def time_graphs(graphs, repeats):
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def first_call_seconds(fn, args) -> dict:
+    """Seconds of ``fn``'s first call on a new shape (the short list timed), then of the call that
+    times every candidate (what ``kernels.tune`` does ahead of time)."""
+    seconds = {}
+    for name, mode in (("first_call_s", None), ("tune_s", "tune")):
+        start = time.perf_counter()
+        with choosing_mode(mode) if mode else contextlib.nullcontext():
+            fn(*args)
+        torch.cuda.synchronize()
+        seconds[name] = round(time.perf_counter() - start, 3)
+    return seconds
+
+
 def warm_and_time(fn, sets, M, N, K, dtype, repeats):
     """Median microseconds per call of one impl timed alone."""
     return time_graphs({"impl": capture(fn, sets, M, N, K, dtype)}, repeats)["impl"]
@@ -198,8 +213,11 @@ def bench_shape(M, N, K, dtype, impls, repeats):
     """Check and capture every impl, then time them all in interleaved rounds (``time_graphs``)."""
     rows, graphs, errors = [], {}, {}
     sets = make_sets(M, N, K, dtype)
+    first_calls = {}
     for impl, fn in impls.items():
         try:
+            if impl in OURS:  # a user's first call (a short list), then the full search, each timed
+                first_calls[impl] = first_call_seconds(fn, sets[0])
             errors[impl] = check(fn, *sets[0])
             graphs[impl] = capture(fn, sets, M, N, K, dtype)
         except ValueError as e:
@@ -213,6 +231,7 @@ def bench_shape(M, N, K, dtype, impls, repeats):
     for impl, us in time_graphs(graphs, repeats).items():
         extra = dict(max_rel_err=float(f"{errors[impl]:.3g}"))
         if impl in OURS:
+            extra.update(first_calls.get(impl, {}))
             extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda",
                                                              static_weight=impl == "fusedserve_static_weight")
         elif impl == "fusedserve_provisional":

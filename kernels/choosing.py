@@ -3,7 +3,11 @@
 The families a problem is offered to (``registry.offered``) compete once per batch bucket on each
 GPU model: the first call in a new bucket times every family's candidate configs at the bucket's
 largest batch, on rotating copies of its arguments (``tuning.time_configs``), and the tune cache
-keeps the winner. Under the interpreter the first offered family runs its fixed config. Where
+keeps the winner. A first call outside any tuning (``kernels.provisional.mode()`` None: a user's
+direct call) times a short list instead, the provisional choice and the vendor's GEMM, so it answers
+in well under a second, and keeps the winner as a "quick" entry that a tuning call (``tune``, the
+model runner's tuner: mode "tune") replaces with the full search. Under the interpreter the first
+offered family runs its fixed config. Where
 nothing may be timed (a CUDA-graph capture, which timing would break, or a thread in
 ``provisional`` mode: the model runner's start-up) an untuned bucket runs its provisional choice
 (``kernels.provisional``: a shipped table or the rules), remembered per key so that later calls
@@ -20,10 +24,11 @@ from fusedserve.kernels.arguments import interpreting
 from fusedserve.kernels.device import cuda_name, pdl_supported
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.precision import dot_precision
-from fusedserve.kernels.rules import Problem, bucket_rows, m_bucket
+from fusedserve.kernels.rules import Problem, bucket_rows, m_bucket, tuning_rows
 from fusedserve.kernels.timers import default_timer
 from fusedserve.kernels.tune_cache import device_cache
 from fusedserve.kernels.tuning import rotating_sets, time_configs
+from fusedserve.kernels.vendor.cublas import NAME as VENDOR
 
 
 @dataclass(frozen=True)
@@ -66,18 +71,30 @@ def _tune_key(families, problem: Problem, static_weight: bool) -> str:
             + ("|static_weight" if static_weight else ""))
 
 
+def _entry_choice(entry: dict | None) -> Choice | None:
+    if entry is None:
+        return None
+    return Choice(entry["kernel"], entry["config"], tuned=True, source="quick" if entry.get(QUICK) else "tuned")
+
+
+# Marks a tune-cache entry that timed only the short list (see the module docstring).
+QUICK = "quick"
+
+
 def cached(problem: Problem, device, static_weight=False) -> Choice | None:
-    """The tuned choice for this problem's bucket on ``device``'s GPU model, or None."""
+    """The fully tuned choice for this problem's bucket on ``device``'s GPU model, or None."""
     if interpreting():
         return None
-    entry = device_cache(cuda_name(device)).get(_tune_key(registry.offered(problem), problem, static_weight))
-    return None if entry is None else Choice(entry["kernel"], entry["config"], tuned=True)
+    choice = _entry_choice(device_cache(cuda_name(device)).get(_tune_key(registry.offered(problem), problem,
+                                                                          static_weight)))
+    return choice if choice is not None and choice.source == "tuned" else None
 
 
 def current(problem: Problem, device, static_weight=False) -> Choice:
-    """What a launch of this problem runs now without timing anything: the tuned choice, else the
-    provisional one if one was made, else ``default``."""
-    found = cached(problem, device, static_weight)
+    """What a launch of this problem runs now without timing anything: the tuned choice (a short
+    list's included), else the provisional one if one was made, else ``default``."""
+    found = None if interpreting() else _entry_choice(
+        device_cache(cuda_name(device)).get(_tune_key(registry.offered(problem), problem, static_weight)))
     if found is None and not interpreting():
         found = _provisional.get((cuda_name(device), _tune_key(registry.offered(problem), problem, static_weight)))
     return found or default(problem)
@@ -120,23 +137,40 @@ def choose(problem: Problem, x2d, weight, bias, activation, static_weight=False,
         return Choice(families[0].name, families[0].interpret_config, tuned=False, source="interpreter")
     key = _tune_key(families, problem, static_weight)
     cache = device_cache(cuda_name(x2d.device))
-    entry = cache.get(key)
-    if entry is not None:
-        return Choice(entry["kernel"], entry["config"], tuned=True)
-    mode = provisional.mode()
-    if mode == "provisional" or (mode is None and (cuda_name(x2d.device), key) in _provisional) \
-            or torch.cuda.is_current_stream_capturing():
+    found, mode = _entry_choice(cache.get(key)), provisional.mode()
+    if found is not None and not (found.source == "quick" and mode == "tune"):
+        return found
+    capturing = torch.cuda.is_current_stream_capturing()
+    if found is not None and capturing:
+        return found
+    if mode == "provisional" or (mode is None and (cuda_name(x2d.device), key) in _provisional) or capturing:
         return provisional_choice(problem, x2d.device, static_weight, families)
-    kernel, config = _tune(families, problem, x2d, weight, bias, activation, static_weight)
-    cache.put(key, {"kernel": kernel, "config": config})
-    return Choice(kernel, config, tuned=True)
+    pairs = _every_candidate(families, problem) if mode == "tune" else _short_list(families, problem, x2d.device,
+                                                                                    static_weight)
+    kernel, config = _tune(pairs, x2d, weight, bias, activation, static_weight)
+    quick = mode is None and len(pairs) < len(_every_candidate(families, problem))
+    cache.put(key, {"kernel": kernel, "config": config, **({QUICK: True} if quick else {})})
+    return Choice(kernel, config, tuned=True, source="quick" if quick else "tuned")
 
 
-def _tune(families, problem, x2d, weight, bias, activation, static_weight):
-    """``(family name, config)``: the fastest of every candidate at the bucket's largest batch."""
+def _every_candidate(families, problem) -> list[tuple[str, dict]]:
+    timed = replace(problem, M=tuning_rows(problem.M))
+    return [(f.name, config) for f in families for config in f.candidates(timed)]
+
+
+def _short_list(families, problem, device, static_weight) -> list[tuple[str, dict]]:
+    """The provisional choice and the vendor's candidates where it is offered: at most one kernel to
+    compile, so a first call is quick (the vendor's GEMM needs no compiling)."""
+    first = provisional_choice(problem, device, static_weight, families)
+    vendor = [f for f in families if f.name == VENDOR]
+    timed = replace(problem, M=tuning_rows(problem.M))
+    extra = [(f.name, config) for f in vendor for config in f.candidates(timed)]
+    return [(first.kernel, first.config)] + [pair for pair in extra if pair != (first.kernel, first.config)]
+
+
+def _tune(pairs, x2d, weight, bias, activation, static_weight):
+    """``(family name, config)``: the fastest of ``pairs`` at the bucket's largest batch."""
     x_timed = bucket_rows(x2d)
-    timed = replace(problem, M=x_timed.shape[0])
-    pairs = [(f.name, config) for f in families for config in f.candidates(timed)]
     sets = rotating_sets(x_timed, weight, bias)
     turn = itertools.count()
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from fusedserve.kernels import choosing, registry
+from fusedserve.kernels import choosing, provisional, registry
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.arguments import check_args
 from fusedserve.kernels.choosing import Choice
@@ -53,8 +53,9 @@ def fused_linear(x, weight, bias=None, activation="relu", *, static_weight=False
     a name in ``ACTIVATIONS`` ("gelu" is the tanh approximation). float32/float16/bfloat16, all the
     same dtype; returns ``[..., N]`` in x's dtype. float32 is as accurate as torch's (see
     ``fusedserve.kernels.precision``). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
-    The first call in a new batch bucket on a GPU times the candidate kernels and configs at the
-    bucket's largest batch (``tune`` does that ahead of time).
+    The first call in a new batch bucket on a GPU times a short list at the bucket's largest batch
+    (the provisional choice and the vendor's GEMM: well under a second); ``tune`` times every
+    candidate kernel and config, ahead of time.
 
     ``static_weight=True`` promises that no kernel still in flight on the stream writes ``weight``
     (true of a served model's layers): on sm_90+, where every kernel is a programmatic dependent
@@ -96,7 +97,8 @@ def run_kernel(name, x, weight, bias=None, activation="relu"):
     if not family.candidates(replace(problem, M=tuning_rows(problem.M))):
         raise ValueError(f"name {name!r} has no config for M={problem.M} N={problem.N} K={problem.K} "
                          f"{problem.dtype} (see its candidates())")
-    choice = choosing.choose(problem, x2d, weight, bias, activation, families=(family,))
+    with provisional.choosing_mode(provisional.mode() or "tune"):  # the family's full search, not a short list
+        choice = choosing.choose(problem, x2d, weight, bias, activation, families=(family,))
     return choosing.launch(choice, x2d, weight, bias, activation).reshape(*lead, weight.shape[0])
 
 
@@ -111,8 +113,9 @@ def kernel_choice(M, N, K, dtype, device, *, static_weight=False) -> tuple[str, 
 
 
 def tune(shapes, dtype=torch.bfloat16, device="cuda", activation="relu", progress=True):
-    """Run ``fused_linear`` once on every ``(M, N, K)`` in ``shapes``, so each batch bucket's choice
-    is timed and kept in the tune cache before serving; returns ``{(M, N, K): (kernel, config)}``.
+    """Run ``fused_linear`` once on every ``(M, N, K)`` in ``shapes`` with every candidate timed (not
+    the first call's short list), so each batch bucket's choice is in the tune cache before serving;
+    returns ``{(M, N, K): (kernel, config)}``.
     With ``progress``, prints a line per shape to stderr as it finishes."""
     shapes = [tuple(int(d) for d in s) for s in shapes]
     for s in shapes:
@@ -125,7 +128,8 @@ def tune(shapes, dtype=torch.bfloat16, device="cuda", activation="relu", progres
         w = (torch.randn(N, K, device=device) * K ** -0.5).to(dtype)
         b = torch.randn(N, device=device).to(dtype)
         start = time.perf_counter()
-        fused_linear(x, w, b, activation)
+        with provisional.choosing_mode("tune"):
+            fused_linear(x, w, b, activation)
         chosen[(M, N, K)] = kernel_choice(M, N, K, dtype, device)
         if progress:
             name, config = chosen[(M, N, K)]

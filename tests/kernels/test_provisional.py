@@ -76,9 +76,9 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     tuned = []
 
-    def fake_tune(families, problem, *args):
-        tuned.append(problem.M)
-        return families[-1].name, {"timed": True}
+    def fake_tune(pairs, x2d, *args):
+        tuned.append(x2d.shape[0])
+        return pairs[-1][0], {"timed": True}
 
     monkeypatch.setattr(choosing, "_tune", fake_tune)
     return tuned
@@ -100,10 +100,11 @@ def test_choose_takes_the_provisional_choice_without_timing_until_told_to_tune(f
         "the tuned choice is kept in the tune cache"
 
 
-def test_choose_still_tunes_a_key_never_chosen_provisionally(fake_gpu):
+def test_choose_still_times_a_key_never_chosen_provisionally_on_a_short_list(fake_gpu):
     problem = hopper(300)
     x, w = torch.empty(300, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
-    assert choosing.choose(problem, x, w, None, "relu").tuned and fake_gpu == [300]
+    choice = choosing.choose(problem, x, w, None, "relu")
+    assert choice.tuned and choice.source == "quick" and fake_gpu == [300]
 
 
 def test_choosing_mode_rejects_unknown_modes():

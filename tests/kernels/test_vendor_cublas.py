@@ -213,7 +213,8 @@ def test_the_tuner_picks_the_library_where_it_is_faster_and_the_cache_keeps_it(f
     x, w, b = make(70, 40, 136, torch.float16, device="cpu")
     problem = problem_of(x, w)
     assert [f.name for f in registry.offered(problem)] == ["triton_tiled", "triton_small_m", VENDOR]
-    choice = choosing.choose(problem, x, w, b, "relu")
+    with provisional.choosing_mode("tune"):
+        choice = choosing.choose(problem, x, w, b, "relu")
     assert (choice.kernel, choice.config, choice.tuned) == (VENDOR, {"op": "linear"}, True)
     assert len(launched) == 2 * 2, "each op once in the first round and again as a finalist"
     for y in launched:  # at the bucket's 128 rows: x's 70, then its first 58 again
@@ -231,8 +232,36 @@ def test_the_tuner_keeps_ours_where_ours_is_faster(fake_gpu, monkeypatch):
     launched = []
     timer_by_family(monkeypatch, {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}, launched)
     x, w, b = make(70, 40, 136, torch.float16, device="cpu")
-    choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
+    with provisional.choosing_mode("tune"):
+        choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
     assert choice.kernel == "triton_small_m" and choice.tuned and launched
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
+def test_a_first_call_times_a_short_list_and_tuning_replaces_it(fake_gpu, monkeypatch):
+    timed = []
+    ms = {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}
+
+    def timer(run):
+        name, config = timers.timing_candidate.get()
+        timed.append(name)
+        return lambda repeats: [ms[name]] * repeats
+    monkeypatch.setattr(choosing, "default_timer", lambda calls_hint=1: timer)
+    x, w, b = make(70, 40, 136, torch.float16, device="cpu")
+    problem = problem_of(x, w)
+    first = choosing.choose(problem, x, w, b, "relu")  # a user's direct call: no mode set
+    provisional_kernel = choosing.provisional_choice(problem, "cuda").kernel
+    assert set(timed) == {provisional_kernel, VENDOR}, "only the provisional choice and the vendor's ops"
+    assert first.source == "quick" and first.kernel in (provisional_kernel, VENDOR)
+    assert choosing.cached(problem, "cuda") is None, "a short list is not a tuned bucket (the runner re-tunes it)"
+    assert choosing.current(problem, "cuda") == first
+    timed.clear()
+    assert choosing.choose(problem, x, w, b, "relu") == first and not timed, "later calls reuse it"
+    with provisional.choosing_mode("tune"):
+        tuned = choosing.choose(problem, x, w, b, "relu")
+    assert "triton_tiled" in timed and (tuned.kernel, tuned.source) == ("triton_small_m", "tuned")
+    assert choosing.cached(problem, "cuda") == tuned
 
 
 @pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
