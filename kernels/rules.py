@@ -1,12 +1,13 @@
 """Shape rules every layer of fusedserve shares: the problem a kernel family is asked to run, the
 row counts where the families compete, and the one bucket rule for batch sizes.
 
-A batch of ``rows`` is computed at the next power of two, capped: the model runner pads to
-``bucket(rows, max_batch_size)`` and captures a CUDA graph per bucket, and the batcher keeps one
-compute time per bucket. The kernels key their tuning on ``m_bucket(M)``: the same powers of two
-up to 128, then four steps an octave, so each power-of-two runner bucket is tuned at its own size
-and a direct call at most 25% above its rows (a tile shape that fills the SMs at 512 rows leaves
-a quarter of them idle at 275).
+The bucket rule (``bucket``): a batch of up to ``POWER_OF_TWO_ROWS`` rows is computed at the next
+power of two, where a layer is bound by reading its weights and padding costs little; past it at
+the next eighth of an octave (129..256 rows -> 144, 160, ..., 256), so a layer that has turned
+compute-bound does at most 12.5% more work than asked. The model runner pads to ``bucket(rows,
+max_batch_size)`` and captures a CUDA graph per bucket, the batcher keeps one compute time per
+bucket, and the kernels key their tuning on the same buckets (``m_bucket``), so each runner bucket
+is tuned at its own size.
 """
 
 from dataclasses import dataclass
@@ -79,16 +80,25 @@ def problem_of_shape(M: int, N: int, K: int, dtype: torch.dtype, device) -> Prob
 M_BUCKET_CAP = 4096
 
 
+# Up to this many rows a batch is padded to a power of two (see the module docstring).
+POWER_OF_TWO_ROWS = 128
+
+
 def bucket(rows: int, cap: int) -> int:
-    """``rows`` rounded up to a power of two, at most ``cap``: ``bucket(5, 64) == 8``,
-    ``bucket(100, 64) == 64``."""
+    """The rows a batch of ``rows`` is computed at, at most ``cap``: the next power of two up to
+    ``POWER_OF_TWO_ROWS``, then the next eighth of an octave: ``bucket(5, 64) == 8``,
+    ``bucket(100, 64) == 64``, ``bucket(129, 1024) == 144``, ``bucket(275, 1024) == 288``."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
-    return min(cap, 1 << (rows - 1).bit_length())
+    if rows <= POWER_OF_TWO_ROWS:
+        return min(cap, 1 << (rows - 1).bit_length())
+    step = (1 << ((rows - 1).bit_length() - 1)) >> 3  # an eighth of the power of two below rows
+    return min(cap, -(-rows // step) * step)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
-    """Every bucket of batches up to ``max_batch_size``: ``10 -> [1, 2, 4, 8, 10]``."""
+    """Every bucket of batches up to ``max_batch_size``: ``10 -> [1, 2, 4, 8, 10]``,
+    ``300 -> [1, 2, ..., 128, 144, 160, ..., 256, 288, 300]``."""
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     buckets = [1]
@@ -98,13 +108,10 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 def m_bucket(M: int) -> int:
-    """The M part of every tuning key: a power of two up to 128, then the next multiple of an eighth
-    of the next power of two (129..256 -> 160, 192, 224, 256; 257..512 -> 320...), capped:
-    ``m_bucket(100) == 128``, ``m_bucket(275) == 320``, ``m_bucket(5000) == 4096``."""
-    if M <= 128:
-        return bucket(M, M_BUCKET_CAP)
-    step = (1 << (M - 1).bit_length()) >> 3
-    return min(M_BUCKET_CAP, -(-M // step) * step)
+    """The M part of every tuning key: ``bucket(M)`` capped at ``M_BUCKET_CAP``, so a runner bucket
+    is tuned at its own rows: ``m_bucket(100) == 128``, ``m_bucket(275) == 288``,
+    ``m_bucket(5000) == 4096``."""
+    return bucket(M, M_BUCKET_CAP)
 
 
 def tuning_rows(M: int) -> int:

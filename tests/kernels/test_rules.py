@@ -7,19 +7,25 @@ from fusedserve.kernels.rules import batch_buckets, bucket, bucket_rows, m_bucke
 
 
 @pytest.mark.parametrize("rows, cap, want", [(1, 64, 1), (3, 64, 4), (33, 64, 64), (65, 64, 64), (9, 10, 10),
-                                             (5, 1, 1)])
-def test_a_bucket_is_the_next_power_of_two_capped(rows, cap, want):
+                                             (5, 1, 1), (65, 1000, 128), (129, 1000, 144), (145, 1000, 160),
+                                             (257, 1000, 288), (999, 1000, 1000), (1025, 8192, 1152)])
+def test_a_bucket_is_a_power_of_two_then_an_eighth_of_an_octave_capped(rows, cap, want):
     assert bucket(rows, cap) == want
 
 
+def test_past_128_rows_a_bucket_pads_at_most_an_eighth():
+    for rows in range(129, 9000):
+        assert rows <= bucket(rows, 10**6) <= rows * 1.125
+
+
 @pytest.mark.parametrize("M,want", [(1, 1), (2, 2), (3, 4), (17, 32), (64, 64), (65, 128), (128, 128),
-                                    (129, 160), (214, 224), (256, 256), (257, 320), (275, 320), (1637, 1792),
-                                    (3073, 3584), (4096, 4096), (4097, 4096), (100000, 4096)])
-def test_tuning_keys_bucket_m_finer_past_128_up_to_the_cap(M, want):
+                                    (129, 144), (214, 224), (256, 256), (257, 288), (275, 288), (1637, 1664),
+                                    (3073, 3072 + 256), (4096, 4096), (4097, 4096), (100000, 4096)])
+def test_tuning_keys_are_the_same_buckets_up_to_the_cap(M, want):
     assert m_bucket(M) == want
 
 
-def test_every_power_of_two_runner_bucket_is_tuned_at_its_own_size():
+def test_every_runner_bucket_is_tuned_at_its_own_size():
     assert all(m_bucket(b) == b for b in batch_buckets(4096))
 
 
@@ -31,10 +37,11 @@ def test_an_empty_batch_has_no_bucket(bad):
         batch_buckets(bad)
 
 
-def test_runner_buckets_are_powers_of_two_then_the_maximum():
+def test_runner_buckets_are_powers_of_two_then_eighths_then_the_maximum():
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert batch_buckets(300) == [1, 2, 4, 8, 16, 32, 64, 128, *range(144, 257, 16), 288, 300]
     # every batch size lands in one of them, as the runner and the batcher compute it
     assert all(bucket(rows, 100) in batch_buckets(100) for rows in range(1, 101))
 
