@@ -42,6 +42,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import runs  # noqa: E402
 from bench.kernel_random import (  # noqa: E402
+    RANDOM_DTYPES,
     describe_provisional,
     draw_shapes,
     peer_summary,
@@ -113,8 +114,8 @@ def make_sets(M, N, K, dtype):
 
 
 def check(fn, x, w, b):
-    """Max error relative to the largest reference value; raises if the impl is wrong."""
-    acc = torch.float64 if x.dtype == torch.float32 else torch.float32
+    """Max error relative to the largest reference value (float64); raises if the impl is wrong."""
+    acc = torch.float64
     ref = torch.relu(x.to(acc) @ w.to(acc).T + b.to(acc))
     y = fn(x, w, b)
     if y.shape != ref.shape or y.dtype != x.dtype:
@@ -511,7 +512,7 @@ def main(argv=None):
     compile_cache = CompileCache(args.quick)
     rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
     if args.random:
-        shapes, args.no_compile = draw_shapes(args.random, args.seed), True
+        shapes, args.no_compile = draw_shapes(args.random, args.seed, args.dtypes or RANDOM_DTYPES), True
     run = runs.Run("kernels", args.out, gpu=gpu, quick=args.quick, seed=args.seed if args.random else None,
                    note=args.note, torch=torch.__version__, triton=triton.__version__, copy_tbps=round(copy_tbps, 3),
                    matmul_tflops=round(peak, 1), random=dict(n=args.random, seed=args.seed) if args.random else None)

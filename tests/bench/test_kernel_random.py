@@ -35,3 +35,23 @@ def test_summaries_name_the_shapes_that_miss():
     versus = provisional_summary(rows)
     assert versus["max"] == 1.1 and [r["M"] for r in versus["slower"]] == [3000] and not versus["met"]
     assert peer_summary([r for r in rows if r["impl"] != "torch_unfused" and r["impl"] != "cublaslt_fused"]) is None
+
+
+def test_random_shapes_draw_the_dtypes_asked_for():
+    assert {s[3] for s in draw_shapes(50, seed=3, dtypes=(torch.float32,))} == {torch.float32}
+
+
+def test_the_summary_counts_our_families_wins_errors_and_first_calls():
+    a, b, c = (300, 1024, 1024, "float16"), (8, 2048, 2048, "bfloat16"), (9, 512, 512, "bfloat16")
+    rows = (_rows(a, fusedserve_static_weight=10.0, torch_unfused=10.1, cublaslt_fused=10.0)
+            + _rows(b, fusedserve_static_weight=5.0, torch_unfused=6.0, cublaslt_fused=6.5)
+            + _rows(c, fusedserve_static_weight=5.0, torch_unfused=6.0, cublaslt_fused=6.5))
+    for row in rows:
+        row["max_rel_err"] = 1e-3
+        if row["impl"] == "fusedserve_static_weight":
+            row["kernel"] = "torch_cublas" if row["M"] == 300 else "gluon_small_m"
+            row["first_call_s"] = 0.2 if row["M"] == 8 else 0.7
+            row["max_rel_err"] = 3e-3 if row["M"] == 9 else 1e-3  # 3x torch's own error
+    summary = peer_summary(rows)
+    assert summary["own_share"] == round(2 / 3, 3) and summary["first_call_max_s"] == 0.7
+    assert summary["errors_over_torch"] == [dict(M=9, N=512, K=512, dtype="bfloat16")] and not summary["met"]
