@@ -17,7 +17,8 @@
 #   (bench/startup.py). start-up-tuning: then background tuning under traffic (answers checked, p99
 #   while tuning vs after).
 # tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS).
-# kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked).
+# kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
+#   RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
 #   20 s; the live page's JSON saved to dashboard.jsonl (tools/dashboard_shot.py replay draws it).
@@ -212,7 +213,7 @@ for s in "${stages[@]}"; do
         tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} \
             --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
-            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" "${kernels_out[@]}" \
+            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} "${kernels_out[@]}" \
             --plot "$out/kernels-random_$gpu.png" ;;
         model-contract) stage model-contract 590 python3 bench/model.py --contract --budget-s "${CONTRACT_BUDGET_S:-420}" \
             ${CONTRACT_QUICK:+--quick} --out "$out" --plot "$out/model-contract_$gpu.png" ;;
