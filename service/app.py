@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from fusedserve.service import tracing
 from fusedserve.service.engine.client import Engine, LocalEngine
 from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.errors import ServiceError, log_unexpected
@@ -130,6 +131,8 @@ def create_app(settings: Settings | None = None, engine_process: str | dict[str,
     engine per device) makes it a front end of ``--workers N`` whose models live in those processes;
     its gRPC port is shared (SO_REUSEPORT) with the others."""
     settings = settings or Settings()
+    if settings.tracing:  # a span per request from this front end, over OTLP (service.tracing)
+        tracing.enable()
     docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan, **docs,
                      summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")

@@ -67,6 +67,8 @@ _FLAGS = {
     "--docs": ("docs", str, "true: serve /docs and /openapi.json; false: turn them off"),
     # Booleans go to Settings as text: pydantic reads true/false, 1/0, yes/no, on/off.
     "--exit-on-error": ("exit_on_error", str, "true: a model that fails to load stops start-up; false: serve the rest"),
+    "--tracing": ("tracing", _on_off, "on/off: an OpenTelemetry span per request, exported over OTLP/HTTP to "
+                                      "OTEL_EXPORTER_OTLP_ENDPOINT (default off; needs fusedserve[otel])"),
     "--background-tuning": ("background_tuning", _on_off,
                             "on/off: tune provisional kernel choices after ready (default on)"),
     "--parallel-compile": ("parallel_compile", _on_off,
@@ -169,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
             settings = settings_from_args(args)
         except ValidationError as exc:  # a bad flag or FUSEDSERVE_* value: usage and why, exit 2
             top.error(str(exc))
+        if settings.tracing:
+            from fusedserve.service.tracing import unavailable
+
+            if why := unavailable():
+                top.error(why)
         serve(args, settings)
     elif args.command == "precompile":
         try:

@@ -128,6 +128,9 @@ class Settings(BaseSettings):
     docs: bool = True
     # Move start-up objects out of the garbage collector's scans once warm (see service.app).
     gc_freeze: bool = True
+    # OpenTelemetry: a span per request, continuing its traceparent, exported over OTLP/HTTP to where
+    # the standard OTEL_EXPORTER_OTLP_* variables say (service.tracing; the otel extra).
+    tracing: bool = False
     # After ready, tune the buckets warmed on provisional kernel choices on a background thread and
     # swap each result in between batches (models.background); off: they keep the provisional ones.
     background_tuning: bool = True

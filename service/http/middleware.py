@@ -8,6 +8,8 @@ import logging
 import os
 import time
 
+from fusedserve.service import tracing
+
 access_log = logging.getLogger("fusedserve.access")
 # Set in the request's scope by the HTTP protocol (service.http.connection) when the connection closed
 # before the answer was written: the access log then says 499, not the status that never left.
@@ -46,7 +48,10 @@ def answer_headers(request_id: bytes, draining: bool) -> list[tuple[bytes, bytes
 
 def log_access(scope, status: int, start: float, request_id: bytes) -> None:
     """One access-log line (with fields for the JSON log format), if INFO is on. An answer the client
-    never got (its connection closed first) is logged as 499, naming the status it would have had."""
+    never got (its connection closed first) is logged as 499, naming the status it would have had.
+    With tracing on, the request's span too."""
+    if tracing.spans is not None:
+        tracing.http_span(scope, status, start, request_id.decode(errors="replace"))
     if access_log.isEnabledFor(logging.INFO):
         rid = request_id.decode(errors="replace")
         ms = (time.perf_counter() - start) * 1e3
@@ -64,9 +69,12 @@ def log_access(scope, status: int, start: float, request_id: bytes) -> None:
 
 def log_call(path: str, metadata: tuple, started: float, code: str, number: int) -> None:
     """A gRPC call's access-log line, with HTTP's fields (``status``: the gRPC status number) and
-    ``grpc_status`` (its name); the request id is the call's ``x-request-id`` metadata, if sent."""
+    ``grpc_status`` (its name); the request id is the call's ``x-request-id`` metadata, if sent.
+    With tracing on, the call's span too."""
+    rid = next((v for k, v in metadata if k == "x-request-id"), "")[:200] or "-"
+    if tracing.spans is not None:
+        tracing.grpc_span(path, metadata, started, code, number, rid)
     if access_log.isEnabledFor(logging.INFO):
-        rid = next((v for k, v in metadata if k == "x-request-id"), "")[:200] or "-"
         ms = (time.perf_counter() - started) * 1e3
         extra = {"request_id": rid, "method": "POST", "path": path, "status": number, "grpc_status": code,
                  "duration_ms": round(ms, 3)}
