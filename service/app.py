@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from contextlib import asynccontextmanager
 
@@ -11,13 +12,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from fusedserve import __version__
 from fusedserve.service import tracing
 from fusedserve.service.engine.client import Engine, LocalEngine
 from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.errors import ServiceError, log_unexpected
 from fusedserve.service.http.hotpath import HotPath, route
 from fusedserve.service.http.middleware import RequestIdMiddleware, RequestIds
-from fusedserve.service.http.routes import dashboard, health, infer, metrics, model_stats, repository, stats, v2
+from fusedserve.service.http.routes import (
+    dashboard,
+    health,
+    infer,
+    metrics,
+    model_stats,
+    openapi,
+    repository,
+    stats,
+    v2,
+)
 from fusedserve.service.security import Guard, GuardMiddleware
 from fusedserve.service.settings import Settings
 from fusedserve.service.stats.sinks import LayerSinks
@@ -133,9 +145,11 @@ def create_app(settings: Settings | None = None, engine_process: str | dict[str,
     settings = settings or Settings()
     if settings.tracing:  # a span per request from this front end, over OTLP (service.tracing)
         tracing.enable()
-    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = ServiceApp(title="fusedserve", version="0.1.0", lifespan=_lifespan, **docs,
+    # /docs and /redoc are our own page (routes.openapi), not the framework's, which loads from a CDN.
+    docs = {"docs_url": None, "redoc_url": None, **({} if settings.docs else {"openapi_url": None})}
+    app = ServiceApp(title="fusedserve", version=__version__, lifespan=_lifespan, **docs,
                      summary="MLPs on fused Triton GEMM + bias + activation kernels, batched on the fly")
+    app.openapi = functools.partial(openapi.document, app)  # our schemas and {"error": ...} answers
     state = ServiceState.fresh(settings)
     app.state.service = state
     # What the front ends (HTTP inference, gRPC) ask of the models: here, or in the engine process.
@@ -162,4 +176,6 @@ def create_app(settings: Settings | None = None, engine_process: str | dict[str,
     app.add_exception_handler(HTTPException, _http_error)
     for module in (infer, v2, repository, stats, health, metrics, model_stats, dashboard):
         app.include_router(module.router)
+    if settings.docs:
+        app.include_router(openapi.router)
     return app
