@@ -11,7 +11,10 @@ import pytest
 from fusedserve.service.grpc import inference_pb2 as pb
 from fusedserve.service.http.routes.openapi import INFER_EXAMPLE
 
-from .service.conftest import ROOT, Server
+from . import test_readme_snippets
+from .service.conftest import ROOT
+
+server = test_readme_snippets.server  # the fixture: the shipped server, one per module
 
 # Stands in for h2load: checks it was asked for one of the two runs, and sends its body once with curl.
 FAKE_H2LOAD = """#!/usr/bin/env bash
@@ -24,16 +27,6 @@ cp "$body" "$OUT/$(basename "$body")"
 if [[ $url == */infer ]]; then curl -sf "${headers[@]}" --data-binary @"$body" "$url" > "$OUT/answer.json"; fi
 echo "$url" >> "$OUT/urls"
 """
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = Server(None, tmp_path_factory.mktemp("examples") / "server.log")
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.timeout(120)
