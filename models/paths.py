@@ -160,3 +160,12 @@ def choose(steps: dict) -> tuple[str, dict[str, float]]:
     every path's seconds per call; the first named wins a tie."""
     seconds = {name: seconds_per_call(step) for name, step in steps.items()}
     return min(seconds, key=seconds.get), seconds
+
+
+def current_is_faster(current, tuned) -> bool:
+    """Whether ``current`` (a bucket's graph replay on provisional choices) beats ``tuned`` (the
+    graph tuning just built), timed back to back: tuning times each kernel alone, and a chain of
+    kernels alone-fastest can be slower together, so a swap must not make a bucket slower."""
+    _, seconds = choose({"tuned": tuned, "current": current})
+    return seconds["current"] < seconds["tuned"]
+

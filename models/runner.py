@@ -17,7 +17,7 @@ import torch
 from fusedserve.kernels import provisional, rules
 from fusedserve.models.graphs import BucketGraphs
 from fusedserve.models.mlp import MLP
-from fusedserve.models.paths import candidate_paths, choose, provisional_path
+from fusedserve.models.paths import candidate_paths, choose, current_is_faster, provisional_path
 from fusedserve.models.sampling import EagerClock, LayerRecords, TimingSampler
 from fusedserve.models.staging import Staging
 from fusedserve.models.threads import CpuThreads
@@ -29,11 +29,9 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """Computes batches of one model, one batch at a time, and times every layer launch.
 
-    ``run(x)`` takes ``[M, in_features]`` float32 on the CPU and returns ``[M, out_features]`` float32
-    on the CPU. On CUDA it pads ``x`` to the smallest bucket (``batch_buckets``) in a preallocated
-    device buffer; rows are independent, so padded rows (whatever an earlier batch left there) never
-    change real rows; they are computed and dropped. On the CPU the rows run unpadded, on the
-    bucket's path and threads.
+    ``run(x)``: ``[M, in_features]`` float32 CPU -> ``[M, out_features]`` float32 CPU. On CUDA ``x``
+    is padded to its bucket (``kernels.rules.bucket``) in a preallocated device buffer (padded rows
+    are computed and dropped); on the CPU rows run unpadded, on the bucket's path and threads.
 
     ``warmup()`` warms every bucket. A bucket whose kernels the tune cache already holds: each
     candidate path runs once, then on CUDA one CUDA graph per path is captured and the faster path
@@ -42,7 +40,8 @@ class ModelRunner:
     per layer and a capture, nothing timed; ``choice_states[bucket]`` says "provisional" until
     ``retune(bucket)`` (the background tuner, ``models.background``) times its kernels and paths
     (the fused path's layers together, ``fused_mlp.tune_chain``) and swaps the result in between
-    two batches; then "tuned" ("fixed" where nothing is ever timed: the CPU, the torch backend).
+    two batches, unless the provisional graph times faster; then "tuned" ("fixed" where nothing is
+    ever timed: the CPU, the torch backend).
     With ``provisional=False`` warm-up tunes every bucket itself. If a capture fails, the runner
     logs why and launches eagerly. ``startup_seconds`` splits warm-up into compile, tune, capture
     and path-choice seconds.
@@ -157,8 +156,7 @@ class ModelRunner:
         """Whether warming ``bucket`` now would take provisional choices (the tune cache lacks some)."""
         return self.provisional and not all(self._paths[p].tuned(bucket) for p in self._candidates)
 
-    def provisional_buckets(self) -> list[int]:
-        """The buckets that still run provisional choices (``retune`` tunes them)."""
+    def provisional_buckets(self) -> list[int]:  # the buckets still on provisional choices
         return [b for b in self.buckets if self.choice_states.get(b) == "provisional"]
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,9 +211,8 @@ class ModelRunner:
 
     @property
     def timing_method(self) -> str:
-        """How timed batches run: "perf_counter" (CPU), "events" (eager launches with CUDA events),
-        or "timed_graph" (a replay of the bucket's graph with events between layers; buckets whose
-        timed graph could not be captured fall back to "events")."""
+        """How timed batches run: "perf_counter" (CPU), "events" (eager launches with CUDA events) or
+        "timed_graph" (the bucket's graph with events between layers; "events" where none captured)."""
         if self.device.type != "cuda":
             return "perf_counter"
         return "timed_graph" if self._graphs.timed else "events"
@@ -372,8 +369,20 @@ class ModelRunner:
                 timed = self._graphs.timed_twin(bucket, lambda hook: self._forward(bucket, chosen, hook), pool)
             if on_cuda:
                 stream.synchronize()
+        if self._keeps_current(bucket, graphs.get(chosen)):
+            return self._chosen[bucket]
         self._swap(bucket, chosen, graphs.get(chosen), timed, seconds)
         return chosen
+
+    def _keeps_current(self, bucket: int, tuned) -> bool:
+        """Whether ``bucket``'s provisional graph stays, faster than ``tuned`` (timed under the lock)."""
+        current = self._graphs.plain.get(bucket)
+        with self._lock:
+            if current is None or tuned is None or not current_is_faster(current[0].replay, tuned[0].replay):
+                return False
+            self.choice_states[bucket] = "tuned"
+        log.info("%r at M=%d keeps its provisional graph, faster than the tuned one", self.name, bucket)
+        return True
 
     def _swap(self, bucket: int, path: str, plain, timed, seconds) -> None:
         """Make ``path`` with graphs ``plain``/``timed`` (None: eager) what ``bucket`` runs, under the

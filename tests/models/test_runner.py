@@ -175,3 +175,22 @@ def test_compute_runs_a_bucket_on_the_input_buffer():
     torch.testing.assert_close(runner.compute(10), model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="bucket"):
         runner.compute(3)
+
+
+class _Graph:
+    def replay(self):
+        pass
+
+
+@pytest.mark.parametrize("current_faster", [True, False])
+def test_a_swap_keeps_the_provisional_graph_where_it_times_faster(monkeypatch, current_faster):
+    from fusedserve.models import runner as runner_module
+
+    runner = ModelRunner(make_model(), max_batch_size=8)
+    runner.warmup()
+    runner.choice_states[8] = "provisional"
+    runner._graphs.plain[8] = (_Graph(), None)
+    monkeypatch.setattr(runner_module, "current_is_faster", lambda current, tuned: current_faster)
+    assert runner._keeps_current(8, (_Graph(), None)) is current_faster
+    assert runner.choice_states[8] == ("tuned" if current_faster else "provisional")
+    assert runner._keeps_current(8, None) is False, "nothing tuned to compare with: swap"
