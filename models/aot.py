@@ -270,10 +270,44 @@ class Launchers:
         self.built += 1
 
 
+def local_target(device) -> Target:
+    """The GPU model of CUDA ``device``, to compile for it as its own tuner will launch."""
+    props = torch.cuda.get_device_properties(device)
+    return Target(torch.cuda.get_device_name(device), (props.major, props.minor), props.multi_processor_count)
+
+
+@contextlib.contextmanager
+def every_candidate():
+    """Within the block, tuning (mode "tune") launches every candidate and times nothing: under
+    ``virtual_gpu`` each launch compiles. What it would keep is meaningless, so only a process whose
+    tune cache is a throwaway one may run it (``_throwaway_tune_cache``)."""
+    from fusedserve.kernels import choosing, provisional, tuning
+
+    def timer(run):
+        run()
+        return lambda repeats: [1.0] * repeats
+    saved = choosing.default_timer, tuning.default_timer
+    choosing.default_timer = tuning.default_timer = lambda calls_hint=1: timer
+    try:
+        with provisional.choosing_mode("tune"):
+            yield
+    finally:
+        choosing.default_timer, tuning.default_timer = saved
+
+
+def _throwaway_tune_cache() -> None:
+    """A compile process for ``every_candidate``: an empty tune cache of its own, and progress lines."""
+    from fusedserve.kernels import tune_cache
+
+    os.environ[tune_cache.ENV_VAR] = tempfile.mkdtemp(prefix="fusedserve-candidates-")
+    _log_to_stderr()
+
+
 def compile_task(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
-                 launchers: bool = True) -> tuple[int, int]:
+                 launchers: bool = True, candidates: bool = False) -> tuple[int, int]:
     """Compile model ``name`` (a config.json's dict) at ``buckets`` for ``target`` as a server with
-    ``max_batch_size`` warms it; ``(kernel launches, launcher stubs built)``."""
+    ``max_batch_size`` warms it, or with ``candidates`` every kernel its tuner would time there;
+    ``(kernel launches, launcher stubs built)``."""
     from fusedserve.models.mlp import MLPConfig
 
     launches = []
@@ -287,7 +321,10 @@ def compile_task(target: Target, name: str, config: dict, max_batch_size: int, b
         with virtual_gpu(target, on_compile):
             runner = tune_worker.build_runner(MLPConfig.from_dict(config), name, "cuda:0", "triton", max_batch_size)
             for bucket in buckets:
-                if runner.needs_tuning(bucket):
+                if candidates:
+                    with every_candidate():
+                        runner.tune(bucket)
+                elif runner.needs_tuning(bucket):
                     runner.warm(bucket)  # provisional choices, as warm-up runs them
                 else:
                     runner.tune(bucket)  # every path on its tuned choices, all in the tune cache: nothing timed
@@ -309,19 +346,36 @@ def precompile(repository, max_batch_size: int, gpus: list[Target], jobs: int | 
     start = time.perf_counter()
     models = repository_models(repository)
     buckets = batch_buckets(max_batch_size)
-    jobs = jobs or default_workers()
-    keys = [(gpu, name, config) for gpu in gpus for name, config in models]  # one object each: split groups by it
-    groups = split([(key, bucket) for key in keys for bucket in buckets], jobs)
+    totals = _compile_in_pool([(gpu, name, config) for gpu in gpus for name, config in models], buckets,
+                              max_batch_size, jobs or default_workers(), launchers)
+    return {"models": [name for name, _ in models], "buckets": buckets, "gpus": [g.name for g in gpus],
+            "launches": totals[0], "launchers": totals[1], "seconds": round(time.perf_counter() - start, 1)}
+
+
+def compile_candidates(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
+                       jobs: int | None = None) -> tuple[int, int]:
+    """Compile every kernel model ``name``'s tuner would time at ``buckets`` on ``target``, in up to
+    ``jobs`` processes at once, none touching a GPU: the tuner then only times (compiling was ~94%
+    of tuning on an H100). ``(kernel launches, launcher stubs built)``."""
+    return tuple(_compile_in_pool([(target, name, config)], buckets, max_batch_size, jobs or default_workers(),
+                                  True, candidates=True))
+
+
+def _compile_in_pool(keys, buckets, max_batch_size, jobs, launchers, candidates=False) -> list[int]:
+    """``compile_task`` for every ``(target, name, config)`` in ``keys`` at ``buckets``, the work dealt
+    into up to ``jobs`` fresh processes; ``[launches, launcher stubs]`` summed."""
+    groups = split([(key, bucket) for key in keys for bucket in buckets], jobs)  # keys: one object each
     totals = [0, 0]
     context = multiprocessing.get_context("spawn")  # a fresh interpreter each: no state from this one
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(groups))), mp_context=context,
-                                                initializer=_log_to_stderr) as pool:
-        futures = [pool.submit(compile_task, *key, max_batch_size, group, launchers) for key, group in groups]
+                                                initializer=_throwaway_tune_cache if candidates else _log_to_stderr
+                                                ) as pool:
+        futures = [pool.submit(compile_task, *key, max_batch_size, group, launchers, candidates)
+                   for key, group in groups]
         for future in futures:
             for i, count in enumerate(future.result()):
                 totals[i] += count
-    return {"models": [name for name, _ in models], "buckets": buckets, "gpus": [g.name for g in gpus],
-            "launches": totals[0], "launchers": totals[1], "seconds": round(time.perf_counter() - start, 1)}
+    return totals
 
 
 def _log_to_stderr() -> None:

@@ -20,7 +20,7 @@ import time
 
 from fusedserve.kernels import tune_cache
 from fusedserve.kernels.tuning import yielding
-from fusedserve.models import tune_worker
+from fusedserve.models import aot, tune_worker
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class BackgroundTuner:
         isolate = self.isolate if self.isolate is not None else runner.device.type == "cuda"
         left = list(buckets)
         if isolate:
+            self._compile_candidates(runner, buckets)
             for bucket in self._worker_buckets(runner, buckets):
                 tune_cache.reload_all()  # the worker's choices, for retune to find
                 left.remove(bucket)
@@ -102,6 +103,20 @@ class BackgroundTuner:
             if self._stop.is_set() or not self._tune_one(runner, bucket, total):
                 return False
         return True
+
+    def _compile_candidates(self, runner, buckets: list[int]) -> None:
+        """Every kernel the worker will time, compiled first by processes that need no GPU
+        (``models.aot.compile_candidates``), several at once; where that fails the worker compiles."""
+        start = time.perf_counter()
+        try:
+            launches, _ = aot.compile_candidates(aot.local_target(runner.device), runner.name,
+                                                 runner.model.config.to_dict(), runner.max_batch_size, buckets)
+        except Exception:
+            log.warning("compiling the tuning candidates of %r ahead failed; its tuning worker compiles them",
+                        runner.name, exc_info=True)
+            return
+        log.info("background tuning: %d candidate launches of %r compiled in %.1f s", launches, runner.name,
+                 time.perf_counter() - start)
 
     def _worker_buckets(self, runner, buckets: list[int]):
         """Start a tuning worker for ``buckets`` and yield each bucket it reports done."""

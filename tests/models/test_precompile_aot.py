@@ -63,3 +63,20 @@ def test_the_command_writes_sm90_cubins_and_launcher_stubs(tmp_path):
     if stubs:  # (built where a C compiler is present) linked to the driver the node will have
         needed = subprocess.run(["readelf", "-d", str(stubs[0])], capture_output=True, text=True).stdout
         assert "libcuda.so.1" in needed, needed
+
+
+@pytest.mark.timeout(300)
+def test_the_tuners_candidates_compile_ahead_without_a_gpu(tmp_path, monkeypatch):
+    # What the background tuner does before its worker times: every candidate of the bucket
+    # compiled (for sm_90, in a spawned process), far more kernels than the provisional warm-up.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("FUSEDSERVE_TUNE_CACHE", str(tmp_path / "tune"))
+    target = aot.targets("9.0", ["NVIDIA H100 80GB HBM3"])[0]
+    config = MLPConfig(64, (256,), 16, "relu", "bfloat16").to_dict()
+    launches, _ = aot.compile_candidates(target, "m", config, 8, [8], jobs=1)
+    provisional, _ = aot._compile_in_pool([(target, "m", config)], [8], 8, 1, False)
+    assert launches > 3 * provisional > 0, (launches, provisional)
+    assert len(aot.cache_entries(tmp_path / "triton")) > 2 * provisional  # (layers may share a kernel)
+    assert not (tmp_path / "tune").exists() or not any((tmp_path / "tune").iterdir()), \
+        "the candidates' meaningless winners stay out of the real tune cache"
