@@ -93,6 +93,8 @@ CASES = [
     (70, 100, 17, torch.bfloat16, "tanh", True),
     (100, 1, 1, torch.bfloat16, "relu", False),
     (1, 1, 1, torch.float32, "none", True),
+    (17, 40, 70, torch.float32, "gelu_erf", True),
+    (70, 33, 100, torch.bfloat16, "gelu_erf", False),
 ]
 
 
