@@ -34,6 +34,7 @@ def check_outputs(client, x, want):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(800)  # ready within 420 s, then background tuning within 360 s, beside the other GPU tests
 def test_shipped_digits_on_cuda_real_server(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 17, size=(400, 64)).astype(np.float32)  # digits pixels are 0..16
