@@ -19,6 +19,8 @@
 # tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
 #   RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16).
+# model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
+#   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
 #   20 s; the live page's JSON saved to dashboard.jsonl (tools/dashboard_shot.py replay draws it).
@@ -215,6 +217,9 @@ for s in "${stages[@]}"; do
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
             --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} "${kernels_out[@]}" \
             --plot "$out/kernels-random_$gpu.png" ;;
+        model-contract-random) stage model-contract-random "${CONTRACT_LIMIT_S:-590}" python3 bench/model_contract.py \
+            --random "${CONTRACT_RANDOM:-6}" --seed "${CONTRACT_SEED:-1}" ${CONTRACT_AT_READY:+--at-ready} ${CONTRACT_QUICK:+--quick} \
+            --budget-s "${CONTRACT_BUDGET_S:-420}" --out "$out" ;;
         model-contract) stage model-contract 590 python3 bench/model.py --contract --budget-s "${CONTRACT_BUDGET_S:-420}" \
             ${CONTRACT_QUICK:+--quick} --out "$out" --plot "$out/model-contract_$gpu.png" ;;
         dashboard) echo "=== dashboard ($(date -u +%FT%TZ))" | tee -a "$log"; dashboard 2>&1 | tee -a "$log" ;;
