@@ -296,10 +296,13 @@ def every_candidate():
 
 
 def _throwaway_tune_cache() -> None:
-    """A compile process for ``every_candidate``: an empty tune cache of its own, and progress lines."""
+    """A compile process for ``every_candidate``: an empty tune cache of its own, a lower CPU
+    priority, and progress lines."""
     from fusedserve.kernels import tune_cache
 
     os.environ[tune_cache.ENV_VAR] = tempfile.mkdtemp(prefix="fusedserve-candidates-")
+    if hasattr(os, "nice"):
+        os.nice(10)  # background work beside a serving process: its threads come first on the CPU
     _log_to_stderr()
 
 

@@ -14,6 +14,7 @@ its provisional choice; ``stop()`` ends it at the next candidate (and the worker
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -24,6 +25,9 @@ from fusedserve.models import aot, tune_worker
 
 log = logging.getLogger(__name__)
 
+# How often the busy state is polled for a tuning worker (it waits up to tune_worker.BUSY_WAIT_S).
+BUSY_POLL_S = 0.01
+
 
 class TuningStopped(Exception):
     """Raised between two candidates once ``BackgroundTuner.stop()`` was called."""
@@ -31,12 +35,15 @@ class TuningStopped(Exception):
 
 class BackgroundTuner:
     """Tunes ``runners``' provisional buckets on one daemon thread; ``pause_s`` between candidates
-    tuned in this process. ``isolate``: tune in a worker process (default: for models on CUDA)."""
+    tuned in this process. ``isolate``: tune in a worker process (default: for models on CUDA).
+    ``busy()``: whether serving has work waiting (rows queued); while it has, tuning waits between
+    candidates, up to ``tune_worker.BUSY_WAIT_S`` each (``tune_worker.BusyGate``), so it yields the GPU to batches."""
 
-    def __init__(self, runners, pause_s: float = 0.005, isolate: bool | None = None):
+    def __init__(self, runners, pause_s: float = 0.005, isolate: bool | None = None, busy=None):
         self.runners = list(runners)
         self.pause_s = pause_s
         self.isolate = isolate
+        self.busy = busy
         self._worker: subprocess.Popen | None = None
         self.tuned: list[tuple[str, int, float]] = []  # (model, bucket, seconds) as they finish
         self.failed: list[tuple[str, int]] = []
@@ -65,8 +72,27 @@ class BackgroundTuner:
         return self._thread is not None and self._thread.is_alive()
 
     def _between(self) -> None:
-        if self._stop.wait(self.pause_s):
-            raise TuningStopped()
+        deadline = time.monotonic() + tune_worker.BUSY_WAIT_S
+        while True:
+            if self._stop.wait(self.pause_s):
+                raise TuningStopped()
+            if self.busy is None or not self.busy() or time.monotonic() >= deadline:
+                return
+
+    def _report_busy(self, fd: int, worker: subprocess.Popen) -> None:
+        """Write b"1"/b"0" to the worker's gate (``fd``) as ``busy()`` changes, until it exits."""
+        last = None
+        try:
+            while worker.poll() is None and not self._stop.is_set():
+                now = bool(self.busy())
+                if now != last:
+                    os.write(fd, b"1" if now else b"0")
+                    last = now
+                time.sleep(BUSY_POLL_S)
+        except OSError:  # the worker closed its end
+            pass
+        finally:
+            os.close(fd)
 
     def _run(self) -> None:
         work = [(runner, runner.provisional_buckets()) for runner in self.runners]
@@ -90,7 +116,8 @@ class BackgroundTuner:
         isolate = self.isolate if self.isolate is not None else runner.device.type == "cuda"
         left = list(buckets)
         if isolate:
-            self._compile_candidates(runner, buckets)
+            if runner.device.type == "cuda":
+                self._compile_candidates(runner, buckets)
             for bucket in self._worker_buckets(runner, buckets):
                 tune_cache.reload_all()  # the worker's choices, for retune to find
                 left.remove(bucket)
@@ -121,11 +148,21 @@ class BackgroundTuner:
     def _worker_buckets(self, runner, buckets: list[int]):
         """Start a tuning worker for ``buckets`` and yield each bucket it reports done."""
         argv = tune_worker.argv(runner, buckets)
+        gate = os.pipe() if self.busy is not None else None
         try:
-            self._worker = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+            if gate is not None:
+                argv += ["--busy-fd", str(gate[0])]
+            self._worker = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
+                                            pass_fds=gate[:1] if gate else ())
         except OSError:
             log.warning("could not start the tuning worker of %r", runner.name, exc_info=True)
+            for fd in gate or ():
+                os.close(fd)
             return
+        if gate is not None:
+            os.close(gate[0])
+            threading.Thread(target=self._report_busy, args=(gate[1], self._worker), daemon=True,
+                             name="fusedserve-tuning-busy").start()
         if self._stop.is_set():  # stop() came while it started: it may not have seen this worker
             self._worker.terminate()
         last = time.perf_counter()

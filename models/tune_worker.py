@@ -17,16 +17,21 @@ cache holds the kernels the server then loads; prints ``WARM <bucket>`` after ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 
+from fusedserve.kernels.tuning import yielding
 from fusedserve.models.mlp import MLP, MLPConfig
 from fusedserve.models.runner import ModelRunner
 
 TUNED, WARM = "TUNED", "WARM"
+# While the server is busy, a tuning worker waits between two candidates up to this long.
+BUSY_WAIT_S = 0.25
 
 
 def argv(runner, buckets, warm: bool = False) -> list[str]:
@@ -48,6 +53,31 @@ def build_runner(config: MLPConfig, name: str, device, backend: str, max_batch_s
     return ModelRunner(model, max_batch_size=max_batch_size, cuda_graphs=False, provisional=provisional)
 
 
+class BusyGate:
+    """Called between two candidates (``kernels.tuning.yielding``): while the serving process says
+    it is busy (the last byte it wrote to ``fd``: b"1" busy, b"0" idle), wait, at most ``max_wait_s``
+    a candidate. The GPU time-slices between processes, so a worker timing kernels takes time from
+    every batch; this way it times while serving leaves the GPU idle, and still always progresses."""
+
+    def __init__(self, fd: int, max_wait_s: float = BUSY_WAIT_S, poll_s: float = 0.005):
+        os.set_blocking(fd, False)
+        self.fd, self.max_wait_s, self.poll_s, self.busy = fd, max_wait_s, poll_s, False
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self.fd, 4096)
+        except BlockingIOError:
+            return
+        self.busy = data[-1:] == b"1"  # b"": the server is gone, nothing to yield to
+
+    def __call__(self) -> None:
+        deadline = time.monotonic() + self.max_wait_s
+        self._read()
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+            self._read()
+
+
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the model's config.json, as JSON")
@@ -57,18 +87,21 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, required=True)
     parser.add_argument("--buckets", required=True, help="comma-separated batch buckets to tune, in order")
     parser.add_argument("--warm", action="store_true", help="compile each bucket's provisional choices only")
+    parser.add_argument("--busy-fd", type=int, help="a pipe the server writes b'1' (busy) and b'0' (idle) to")
     parsed = parser.parse_args(args)
     if not parsed.warm and hasattr(os, "nice"):
         os.nice(10)  # tuning is background work: the serving process's threads come first on the CPU
     runner = build_runner(MLPConfig.from_dict(json.loads(parsed.config)), parsed.name, parsed.device,
                           parsed.backend, parsed.max_batch_size, provisional=parsed.warm)
     runner.input_buffer.uniform_(0, 4)  # rows like a client's, not zeros (power draw, clocks)
-    for bucket in (int(b) for b in parsed.buckets.split(",")):
-        if parsed.warm:
-            runner.warm(bucket)
-        else:
-            runner.tune(bucket)
-        print(f"{WARM if parsed.warm else TUNED} {bucket}", flush=True)
+    gate = BusyGate(parsed.busy_fd) if parsed.busy_fd is not None else None
+    with yielding(gate) if gate else contextlib.nullcontext():
+        for bucket in (int(b) for b in parsed.buckets.split(",")):
+            if parsed.warm:
+                runner.warm(bucket)
+            else:
+                runner.tune(bucket)
+            print(f"{WARM if parsed.warm else TUNED} {bucket}", flush=True)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ async def warm_up_and_serve(state: ServiceState, runners: list) -> None:
     if settings.background_tuning and any(r.provisional_buckets() for r in runners):
         from fusedserve.models.background import BackgroundTuner
 
-        state.tuner = BackgroundTuner(runners)
+        # Tuning yields to batches: it waits between candidates while any model has rows queued.
+        state.tuner = BackgroundTuner(runners, busy=lambda: any(b.queued_rows for b in state.batchers.values()))
         state.tuner.start()
 
 

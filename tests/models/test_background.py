@@ -156,3 +156,51 @@ def test_what_a_failed_worker_left_is_tuned_in_this_process(monkeypatch, caplog)
     tuner.join(60)
     assert [b for _, b, _ in tuner.tuned] == [2, 1, 4, 8] and runner.provisional_buckets() == []
     assert "exited with code 3" in caplog.text and "left M=1,4,8 untuned" in caplog.text
+
+
+def test_a_worker_gate_waits_while_the_server_is_busy_and_always_progresses():
+    import os
+
+    from fusedserve.models.tune_worker import BusyGate
+
+    read, write = os.pipe()
+    gate = BusyGate(read, max_wait_s=0.3, poll_s=0.01)
+    try:
+        for state, low, high in ((b"1", 0.28, 2.0), (b"0", 0.0, 0.1), (b"101", 0.28, 2.0)):
+            os.write(write, state)  # the last byte written is the state
+            start = time.perf_counter()
+            gate()
+            assert low <= time.perf_counter() - start < high, state
+        os.close(write)  # the server is gone: nothing to yield to
+        write = None
+        start = time.perf_counter()
+        gate()
+        assert time.perf_counter() - start < 0.1 and not gate.busy
+    finally:
+        os.close(read)
+        if write is not None:
+            os.close(write)
+
+
+def test_tuning_in_process_waits_between_candidates_while_busy(monkeypatch):
+    from fusedserve.models import tune_worker
+
+    monkeypatch.setattr(tune_worker, "BUSY_WAIT_S", 0.3)
+    busy = [True]
+    tuner = BackgroundTuner([FakeRunner()], pause_s=0.001, busy=lambda: busy[0])
+    start = time.perf_counter()
+    tuner._between()
+    assert 0.28 <= time.perf_counter() - start < 2.0
+    busy[0] = False
+    start = time.perf_counter()
+    tuner._between()
+    assert time.perf_counter() - start < 0.1
+
+
+def test_an_isolated_worker_hears_the_servers_busy_state(caplog):
+    caplog.set_level(logging.INFO, logger="fusedserve.models.background")
+    runner = provisional_runner()
+    tuner = BackgroundTuner([runner], pause_s=0, isolate=True, busy=lambda: True)  # a real worker, --busy-fd
+    tuner.start()
+    tuner.join(120)
+    assert not tuner.running and sorted(b for _, b, _ in tuner.tuned) == BUCKETS and tuner.failed == []
