@@ -55,6 +55,7 @@ from fusedserve.kernels import KERNELS, fused_linear, kernel_choice, run_kernel,
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.precision import dot_precision  # noqa: E402
 from fusedserve.kernels.provisional import choosing_mode  # noqa: E402
+from fusedserve.models import aot  # noqa: E402
 
 FULL_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FULL_NK = ((4096, 4096), (8192, 8192), (1024, 1024), (11008, 4096))
@@ -474,6 +475,9 @@ def parse_args(argv=None):
                         help="N shapes drawn at random (M 1-8192, N and K multiples of 8 in 256-16384, "
                              "bf16/fp16) instead of the grid; no per-family rows, no torch.compile")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random's shapes")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every shape's tuning candidates first, in parallel processes without the "
+                             "GPU (models.aot): more shapes in a budget; first_call_s then finds Triton's cache warm")
     parser.add_argument("--merge", nargs="+", metavar="RUN",
                         help="no GPU needed: these runs (FILE.jsonl:LINE, oldest first; see merge_runs) merged, "
                              "one alone as it is: print the table, the targets and the summaries, draw --plot; "
@@ -515,7 +519,12 @@ def main(argv=None):
         shapes, args.no_compile = draw_shapes(args.random, args.seed, args.dtypes or RANDOM_DTYPES), True
     run = runs.Run("kernels", args.out, gpu=gpu, quick=args.quick, seed=args.seed if args.random else None,
                    note=args.note, torch=torch.__version__, triton=triton.__version__, copy_tbps=round(copy_tbps, 3),
-                   matmul_tflops=round(peak, 1), random=dict(n=args.random, seed=args.seed) if args.random else None)
+                   matmul_tflops=round(peak, 1), random=dict(n=args.random, seed=args.seed) if args.random else None,
+                   precompiled=args.precompile or None)
+    if args.precompile:
+        start = time.perf_counter()
+        launches = aot.compile_layer_candidates(aot.local_target("cuda"), shapes)
+        log(f"compiled {launches} candidate launches of {len(shapes)} shapes in {time.perf_counter() - start:.0f} s")
     for i, (M, N, K, dtype) in enumerate(shapes, 1):
         if time.perf_counter() - t0 - compile_cache.spent > budget:
             log(f"time budget of {budget:.0f} s spent: stopping before shape {i}/{len(shapes)}")

@@ -116,6 +116,8 @@ class _OnVirtualDevice(TorchFunctionMode):
             return _GETTERS[slot]
         if func in _ON_HOST_ALREADY:
             return args[0]
+        if func is torch.device:  # torch.device(x.device) names the virtual device, as x.device does
+            return func(*args, **kwargs)
         kwargs.pop("pin_memory", None)
         if "device" in kwargs:
             kwargs["device"] = _host(kwargs["device"])
@@ -362,6 +364,32 @@ def compile_candidates(target: Target, name: str, config: dict, max_batch_size: 
     of tuning on an H100). ``(kernel launches, launcher stubs built)``."""
     return tuple(_compile_in_pool([(target, name, config)], buckets, max_batch_size, jobs or default_workers(),
                                   True, candidates=True))
+
+
+def compile_layer_task(target: Target, shapes: list[tuple[int, int, int, str]], activation: str = "relu") -> int:
+    """Compile every candidate ``kernels.tune`` would time for each layer shape ``(M, N, K, dtype
+    name)``, served (static weights) and not; the launches compiled."""
+    from fusedserve.kernels import fused_linear
+
+    launches = []
+    with virtual_gpu(target, launches.append), every_candidate():
+        for M, N, K, dtype in shapes:
+            x, w, b = (torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+                       for shape in ([M, K], [N, K], [N]))
+            for static_weight in (False, True):
+                fused_linear(x, w, b, activation, static_weight=static_weight)
+    return len(launches)
+
+
+def compile_layer_candidates(target: Target, shapes, jobs: int | None = None) -> int:
+    """``compile_layer_task`` for ``shapes`` dealt over up to ``jobs`` fresh processes (no GPU needed),
+    so timing them later compiles nothing; the launches compiled."""
+    shapes = [(M, N, K, str(dtype).removeprefix("torch.")) for M, N, K, dtype in shapes]
+    jobs = max(1, min(jobs or default_workers(), len(shapes)))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context,
+                                                initializer=_throwaway_tune_cache) as pool:
+        return sum(pool.map(compile_layer_task, [target] * jobs, [shapes[i::jobs] for i in range(jobs)]))
 
 
 def _compile_in_pool(keys, buckets, max_batch_size, jobs, launchers, candidates=False) -> list[int]:

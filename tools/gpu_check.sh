@@ -18,7 +18,8 @@
 #   while tuning vs after).
 # tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
-#   RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16).
+#   RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16; RANDOM_PRECOMPILE=1 compiles
+#   every shape's candidates first in parallel, so more shapes fit the budget).
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
 #   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
@@ -215,7 +216,7 @@ for s in "${stages[@]}"; do
         tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} \
             --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
-            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} "${kernels_out[@]}" \
+            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} ${RANDOM_PRECOMPILE:+--precompile} "${kernels_out[@]}" \
             --plot "$out/kernels-random_$gpu.png" ;;
         model-contract-random) stage model-contract-random "${CONTRACT_LIMIT_S:-590}" python3 bench/model_contract.py \
             --random "${CONTRACT_RANDOM:-6}" --seed "${CONTRACT_SEED:-1}" ${CONTRACT_AT_READY:+--at-ready} ${CONTRACT_QUICK:+--quick} \

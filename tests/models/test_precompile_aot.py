@@ -54,7 +54,9 @@ def test_the_command_writes_sm90_cubins_and_launcher_stubs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     cubins = sorted(cache.glob("*/*.cubin"))
     kernels = {p.stem for p in cubins}
-    assert {"_normalize_kernel"} < kernels, kernels  # the input normalization, then the layers' kernels
+    # The provisional path of a Hopper GPU: the chained fused_mlp kernel (normalization folded into the
+    # first layer), or the normalization and each layer's kernel.
+    assert kernels and kernels & {"_fused_mlp_layer_kernel", "_normalize_kernel"}, kernels
     for cubin in cubins:  # compiled for sm_90, as a launch on the H100 would key and build them
         meta = json.loads(cubin.with_suffix(".json").read_text())
         assert meta["target"] == {"backend": "cuda", "arch": 90, "warp_size": 32}, meta["target"]
@@ -65,18 +67,34 @@ def test_the_command_writes_sm90_cubins_and_launcher_stubs(tmp_path):
         assert "libcuda.so.1" in needed, needed
 
 
-@pytest.mark.timeout(300)
-def test_the_tuners_candidates_compile_ahead_without_a_gpu(tmp_path, monkeypatch):
-    # What the background tuner does before its worker times: every candidate of the bucket
-    # compiled (for sm_90, in a spawned process), far more kernels than the provisional warm-up.
+@pytest.fixture
+def h100_compiles(tmp_path, monkeypatch):
+    """Compiles for an H100 in spawned processes (not interpreted), into ``tmp_path/triton``; yields
+    the target, then checks the real tune cache (``tmp_path/tune``) was left alone: a candidate
+    compile's winners are meaningless."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv("FUSEDSERVE_TUNE_CACHE", str(tmp_path / "tune"))
-    target = aot.targets("9.0", ["NVIDIA H100 80GB HBM3"])[0]
+    yield aot.targets("9.0", ["NVIDIA H100 80GB HBM3"])[0]
+    assert not (tmp_path / "tune").exists() or not any((tmp_path / "tune").iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_the_tuners_candidates_compile_ahead_without_a_gpu(tmp_path, h100_compiles):
+    # What the background tuner does before its worker times: every candidate of the bucket
+    # compiled, far more kernels than the provisional warm-up.
     config = MLPConfig(64, (256,), 16, "relu", "bfloat16").to_dict()
-    launches, _ = aot.compile_candidates(target, "m", config, 8, [8], jobs=1)
-    provisional, _ = aot._compile_in_pool([(target, "m", config)], [8], 8, 1, False)
+    launches, _ = aot.compile_candidates(h100_compiles, "m", config, 8, [8], jobs=1)
+    provisional, _ = aot._compile_in_pool([(h100_compiles, "m", config)], [8], 8, 1, False)
     assert launches > 3 * provisional > 0, (launches, provisional)
     assert len(aot.cache_entries(tmp_path / "triton")) > 2 * provisional  # (layers may share a kernel)
-    assert not (tmp_path / "tune").exists() or not any((tmp_path / "tune").iterdir()), \
-        "the candidates' meaningless winners stay out of the real tune cache"
+
+
+@pytest.mark.timeout(300)
+def test_a_layer_shapes_candidates_compile_ahead_without_a_gpu(tmp_path, h100_compiles):
+    # bench/kernels.py --precompile: every candidate kernels.tune would time, served and not.
+    import torch
+
+    launches = aot.compile_layer_candidates(h100_compiles, [(3, 256, 128, torch.bfloat16)], jobs=1)
+    assert launches >= 2 * 8, launches  # 9 Triton and Gluon candidates at M=3, with and without prefetch
+    assert len(aot.cache_entries(tmp_path / "triton")) >= 8
