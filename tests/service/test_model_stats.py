@@ -76,7 +76,7 @@ def test_gpu_peaks_by_name():
     h200 = peaks.gpu_peaks("NVIDIA H200")
     assert (h200["tflops"]["bfloat16"], h200["tbps"], h200["estimate"]) == (797.4, 4.255, False), h200
     assert peaks.gpu_peaks("NVIDIA H100 PCIe")["estimate"] is True  # a datasheet's
-    assert peaks.gpu_peaks("NVIDIA H100 80GB HBM3")["tbps"] == 3.024
+    assert peaks.gpu_peaks("NVIDIA H100 80GB HBM3")["tbps"] == 3.027
     other = peaks.gpu_peaks("NVIDIA A10")
     assert other["estimate"] is True and "A10" in other["source"] and other["name"] == "NVIDIA A10", other
 
