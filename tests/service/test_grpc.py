@@ -188,8 +188,11 @@ async def test_full_queue_is_unavailable_and_a_passed_deadline_deadline_exceeded
         with pytest.raises(InferenceServerException) as caught:  # Triton's timeout parameter, microseconds
             await served.triton.infer("tiny", [x], timeout=50_000)
         assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED" and "within 50 ms" in caught.value.message()
+        while served.state.batchers["tiny"].queued_rows:  # the timed-out calls' rows leave the queue first
+            await asyncio.sleep(0.005)
         queued = asyncio.ensure_future(served.stub.ModelInfer(raw_request(np.ones((8, 3), np.float32))))
         while served.state.batchers["tiny"].queued_rows < 8:
+            assert not queued.done(), queued  # refused rather than queued: fail now, not at the timeout
             await asyncio.sleep(0.005)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await served.stub.ModelInfer(raw_request(ROWS[:1]))
