@@ -18,6 +18,7 @@ FAMILY_MODULES = (
     "fusedserve.kernels.gluon.small_m",
     "fusedserve.kernels.gluon.wgmma",
     "fusedserve.kernels.gluon.ws",
+    "fusedserve.kernels.triton.split_k",
     "fusedserve.kernels.vendor.cublas",
 )
 

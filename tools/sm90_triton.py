@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.precision import FP32_PRECISIONS
-from fusedserve.kernels.triton import normalize, small_m, tiled, tma_persistent
+from fusedserve.kernels.triton import normalize, small_m, split_k, tiled, tma_persistent
 from tools.sm90 import compile_sm90
 
 
@@ -50,6 +50,15 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
                                       PAIRS=bool(config.get("PAIRS")) and dtype == torch.bfloat16, **meta))]
         return [compile_sm90(small_m._small_m_kernel, args,
                              dict(flags, UPCAST_BF16=False, **precision, BLOCK_M=small_m.block_m(M), **config))]
+    if module is split_k:
+        meta = dict(config)
+        split = meta.pop("SPLIT_K")
+        part = MockTensor(torch.float32, [split, M, N])
+        return [compile_sm90(split_k._split_k_partial_kernel, (x, w, part, M, N, K, K, K, K),
+                             {**precision, "UPCAST_BF16": False, **pdl_flags, **meta}),
+                compile_sm90(split_k._split_k_sum_kernel, (part, b, y, M, N, N),
+                             dict(SPLIT_K=split, HAS_BIAS=True, ACTIVATION=activation, BLOCK=split_k._SUM_BLOCK,
+                                  num_warps=4, **pdl_flags))]
     meta = {"SPLIT_STORE": False, **common, **pdl_flags, **config}
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
@@ -63,17 +72,18 @@ def plan():
     jobs = []
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (3, 4096, 4096)),
                               (small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
-                              (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704))):
+                              (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704)),
+                              (split_k, (300, 1000, 4096))):
         jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu", "tf32")
                  for cfg in module.candidates(M, N, K, torch.bfloat16)]
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (5, 1000, 704)), (small_m, (16, 1000, 704)),
-                              (small_m, (300, 1000, 704)), (tiled, (300, 1000, 704))):
+                              (small_m, (300, 1000, 704)), (tiled, (300, 1000, 704)), (split_k, (300, 1000, 4096))):
         # (the GEMV has no dot: its products are exact whatever the precision)
         jobs += [(module, M, N, K, torch.float32, cfg, "relu", precision)
                  for cfg in module.candidates(M, N, K, torch.float32)
                  for precision in FP32_PRECISIONS if precision == "ieee" or not cfg.get("GEMV")]
     jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704, torch.float16)[0], act, "tf32")
-             for module in (small_m, tiled, tma_persistent) for act in ACTIVATIONS]
+             for module in (small_m, tiled, tma_persistent, split_k) for act in ACTIVATIONS]
     gemv = next(cfg for cfg in small_m.candidates(3, 1000, 704, torch.float16) if cfg.get("GEMV"))
     jobs += [(small_m, 3, 1000, 704, torch.float16, gemv, act, "tf32") for act in ACTIVATIONS]
     jobs += [(normalize, 70, 64, 64, dtype, {"num_warps": 4}, "none", "ieee")

@@ -1,5 +1,5 @@
-"""``@triton.jit`` pieces every Triton family shares: the programmatic-dependent-launch wait and
-the tensor-core step."""
+"""``@triton.jit`` pieces every Triton family shares: the programmatic-dependent-launch wait, the
+grouped tile order and the tensor-core step."""
 
 import triton
 import triton.language as tl
@@ -22,3 +22,15 @@ def dot_acc(acc, a, b, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid``: GROUP_M tile rows are swept column by column, so
+    neighbouring programs reuse W tiles in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_in_group) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % num_in_group) % group_rows, (pid % num_in_group) // group_rows

@@ -13,7 +13,7 @@ import triton.language as tl
 from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.rules import SMALL_M_MAX
-from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
+from fusedserve.kernels.triton.common import dot_acc, grouped_tile, launch_dependents_then_wait
 
 NAME = "triton_tiled"
 
@@ -66,15 +66,7 @@ def _tiled_linear_kernel(
 ):
     if USE_PDL:
         launch_dependents_then_wait()
-    # Grouped tile order: GROUP_M tile rows are swept column by column, reusing W tiles in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % group_rows
-    pid_n = (pid % num_in_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # Rows/columns past the edge wrap around (modulo) so the loads need no M/N mask; the store
     # below is masked, so the wrapped values are never written.

@@ -18,7 +18,7 @@ import torch
 from fusedserve import kernels
 from fusedserve.kernels import ACTIVATIONS, KERNELS, fused_linear, kernel_choice, provisional, run_kernel
 from fusedserve.kernels.rules import tma_compatible
-from fusedserve.kernels.triton import small_m, tiled, tma_persistent
+from fusedserve.kernels.triton import small_m, split_k, tiled, tma_persistent
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -124,6 +124,9 @@ LAUNCH_CASES = [
     (tma_persistent, 70, 40, 136, torch.float16),
     (tma_persistent, 130, 104, 24, torch.bfloat16),
     (tma_persistent, 1, 8, 8, torch.float16),
+    (split_k, 70, 40, 136, torch.float16),  # three splits of 64, 64 and 8 K
+    (split_k, 33, 100, 130, torch.bfloat16),
+    (split_k, 5, 17, 200, torch.float32),
 ]
 
 
@@ -262,8 +265,8 @@ def test_run_kernel_refuses_what_the_kernel_cannot_run(name, M, N, K, dtype, mat
 
 
 def test_kernels_lists_every_dispatch_target():
-    assert set(KERNELS) == {"triton_small_m", "triton_tiled", "triton_tma_persistent", "gluon_wgmma", "gluon_small_m",
-                            "gluon_ws", "torch_cublas"}
+    assert set(KERNELS) == {"triton_small_m", "triton_tiled", "triton_tma_persistent", "triton_split_k",
+                            "gluon_wgmma", "gluon_small_m", "gluon_ws", "torch_cublas"}
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="drives the GPU tuning path on the interpreter")

@@ -11,23 +11,38 @@ HOPPER = (9, 0)
 AMPERE = (8, 0)
 TILED, TMA, SMALL_M = "triton_tiled", "triton_tma_persistent", "triton_small_m"
 GLUON, GLUON_SMALL_M, GLUON_WS = "gluon_wgmma", "gluon_small_m", "gluon_ws"
-VENDOR = "torch_cublas"
+VENDOR, SPLIT_K = "torch_cublas", "triton_split_k"
 
 
 def offered(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon=False, vendor=False, N=4096,
-            K=4096):
-    """The families timed for this problem, the default first (Gluon's and the vendor's left out
-    unless ``gluon`` and ``vendor``)."""
+            K=4096, split_k=False):
+    """The families timed for this problem, the default first (Gluon's, the vendor's and split-K
+    left out unless ``gluon``, ``vendor`` and ``split_k``)."""
     names = [f.name for f in registry.offered(Problem(M, N, K, dtype, capability, tma_aligned))]
-    return tuple(n for n in names if (gluon or not n.startswith("gluon")) and (vendor or n != VENDOR))
+    return tuple(n for n in names if (gluon or not n.startswith("gluon")) and (vendor or n != VENDOR)
+                 and (split_k or n != SPLIT_K))
 
 
 def test_every_family_registers_once_under_its_own_name():
     names = registry.names()
-    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS, VENDOR} and len(names) == len(set(names))
+    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS, SPLIT_K, VENDOR}
+    assert len(names) == len(set(names))
     assert all(registry.family(n).name == n for n in names)
     with pytest.raises(ValueError, match="kernel family must be one of"):
         registry.family("no_such_kernel")
+
+
+@pytest.mark.parametrize("M, N, K, capability, wanted", [
+    (163, 9160, 14376, HOPPER, True),  # 72 tiles over a long K: cuBLAS won such shapes (docs/kernels.md)
+    (300, 1000, 4096, AMPERE, True),  # any GPU
+    (300, 1000, 4096, None, False),  # not under the interpreter's automatic choice
+    (64, 1000, 4096, HOPPER, False),  # weight streaming's rows
+    (2048, 4096, 4096, HOPPER, False),  # the tiles fill the SMs
+    (300, 1000, 1024, HOPPER, False),  # a short K
+])
+def test_split_k_competes_where_few_tiles_walk_a_long_k(M, N, K, capability, wanted):
+    assert (SPLIT_K in offered(M, capability=capability, N=N, K=K, split_k=True)) is wanted
+    assert (SPLIT_K in offered(M, torch.float32, capability=capability, N=N, K=K, split_k=True)) is wanted
 
 
 @pytest.mark.parametrize("M", [1, 3, 16, 17, SMALL_M_MAX])
