@@ -16,7 +16,8 @@
 #   warm, for the shipped repository and digits + a 4x2048 bf16 model at --max-batch-size 256
 #   (bench/startup.py). start-up-tuning: then background tuning under traffic (answers checked, p99
 #   while tuning vs after).
-# tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS).
+# tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS;
+#   TUNING_AHEAD=1: the background tuner's way, candidates compiled ahead in parallel).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
 #   RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16; RANDOM_PRECOMPILE=1 compiles
 #   every shape's candidates first in parallel, so more shapes fit the budget).
@@ -213,7 +214,7 @@ for s in "${stages[@]}"; do
         start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --out "$out" ;;
         start-up-tuning) stage start-up-tuning 580 python3 bench/startup.py --tuning --ready-timeout-s 120 \
             --tuning-timeout-s 360 --out "$out" ;;
-        tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} \
+        tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} ${TUNING_AHEAD:+--ahead} \
             --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
             --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} ${RANDOM_PRECOMPILE:+--precompile} "${kernels_out[@]}" \
