@@ -140,3 +140,16 @@ def test_the_vendor_gemm_runs_anywhere_but_competes_only_on_cuda():
     # reaches the family there, but there is nothing to time it against.
     assert registry.family(VENDOR).unfit(Problem(3, 5, 7, torch.float32, None, False)) is None
     assert VENDOR not in offered(1000, capability=None, vendor=True)
+
+
+def test_split_k_candidates_fit_two_waves_and_give_every_split_k():
+    from fusedserve.kernels.rules import SMS
+    from fusedserve.kernels.triton import split_k
+
+    shapes = ((163, 9160, 14376, torch.float16), (300, 1000, 4096, torch.float32), (70, 40, 136, torch.bfloat16))
+    for M, N, K, dtype in shapes:
+        configs = split_k.candidates(M, N, K, dtype)
+        assert configs, (M, N, K)
+        for c in configs:
+            assert split_k._tiles(M, N, c) * c["SPLIT_K"] <= 2 * SMS and K >= c["SPLIT_K"] * c["BLOCK_K"], c
+    assert split_k.candidates(8192, 8192, 4096, torch.bfloat16) == [], "tiles that fill the SMs need no split"
