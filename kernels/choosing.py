@@ -83,21 +83,17 @@ QUICK = "quick"
 
 def cached(problem: Problem, device, static_weight=False) -> Choice | None:
     """The fully tuned choice for this problem's bucket on ``device``'s GPU model, or None."""
-    if interpreting():
-        return None
-    choice = _entry_choice(device_cache(cuda_name(device)).get(_tune_key(registry.offered(problem), problem,
-                                                                          static_weight)))
-    return choice if choice is not None and choice.source == "tuned" else None
+    choice = current(problem, device, static_weight)
+    return choice if choice.source == "tuned" else None
 
 
 def current(problem: Problem, device, static_weight=False) -> Choice:
     """What a launch of this problem runs now without timing anything: the tuned choice (a short
     list's included), else the provisional one if one was made, else ``default``."""
-    found = None if interpreting() else _entry_choice(
-        device_cache(cuda_name(device)).get(_tune_key(registry.offered(problem), problem, static_weight)))
-    if found is None and not interpreting():
-        found = _provisional.get((cuda_name(device), _tune_key(registry.offered(problem), problem, static_weight)))
-    return found or default(problem)
+    if interpreting():
+        return default(problem)
+    key, name = _tune_key(registry.offered(problem), problem, static_weight), cuda_name(device)
+    return _entry_choice(device_cache(name).get(key)) or _provisional.get((name, key)) or default(problem)
 
 
 def default(problem: Problem) -> Choice:
@@ -138,17 +134,15 @@ def choose(problem: Problem, x2d, weight, bias, activation, static_weight=False,
     key = _tune_key(families, problem, static_weight)
     cache = device_cache(cuda_name(x2d.device))
     found, mode = _entry_choice(cache.get(key)), provisional.mode()
-    if found is not None and not (found.source == "quick" and mode == "tune"):
-        return found
     capturing = torch.cuda.is_current_stream_capturing()
-    if found is not None and capturing:
+    if found is not None and (found.source != "quick" or mode != "tune" or capturing):
         return found
     if mode == "provisional" or (mode is None and (cuda_name(x2d.device), key) in _provisional) or capturing:
         return provisional_choice(problem, x2d.device, static_weight, families)
-    pairs = _every_candidate(families, problem) if mode == "tune" else _short_list(families, problem, x2d.device,
-                                                                                    static_weight)
+    every = _every_candidate(families, problem)
+    pairs = every if mode == "tune" else _short_list(families, problem, x2d.device, static_weight)
     kernel, config = _tune(pairs, x2d, weight, bias, activation, static_weight)
-    quick = mode is None and len(pairs) < len(_every_candidate(families, problem))
+    quick = len(pairs) < len(every)
     cache.put(key, {"kernel": kernel, "config": config, **({QUICK: True} if quick else {})})
     return Choice(kernel, config, tuned=True, source="quick" if quick else "tuned")
 
@@ -161,11 +155,10 @@ def _every_candidate(families, problem) -> list[tuple[str, dict]]:
 def _short_list(families, problem, device, static_weight) -> list[tuple[str, dict]]:
     """The provisional choice and the vendor's candidates where it is offered: at most one kernel to
     compile, so a first call is quick (the vendor's GEMM needs no compiling)."""
-    first = provisional_choice(problem, device, static_weight, families)
-    vendor = [f for f in families if f.name == VENDOR]
-    timed = replace(problem, M=tuning_rows(problem.M))
-    extra = [(f.name, config) for f in vendor for config in f.candidates(timed)]
-    return [(first.kernel, first.config)] + [pair for pair in extra if pair != (first.kernel, first.config)]
+    provisional_pick = provisional_choice(problem, device, static_weight, families)
+    first = (provisional_pick.kernel, provisional_pick.config)
+    vendor = _every_candidate([f for f in families if f.name == VENDOR], problem)
+    return [first] + [pair for pair in vendor if pair != first]
 
 
 def _tune(pairs, x2d, weight, bias, activation, static_weight):

@@ -386,27 +386,26 @@ def compile_layer_candidates(target: Target, shapes, jobs: int | None = None) ->
     so timing them later compiles nothing; the launches compiled."""
     shapes = [(M, N, K, str(dtype).removeprefix("torch.")) for M, N, K, dtype in shapes]
     jobs = max(1, min(jobs or default_workers(), len(shapes)))
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context,
-                                                initializer=_throwaway_tune_cache) as pool:
-        return sum(pool.map(compile_layer_task, [target] * jobs, [shapes[i::jobs] for i in range(jobs)]))
+    return sum(_run_in_pool(compile_layer_task, [(target, shapes[i::jobs]) for i in range(jobs)], jobs,
+                            _throwaway_tune_cache))
 
 
 def _compile_in_pool(keys, buckets, max_batch_size, jobs, launchers, candidates=False) -> list[int]:
     """``compile_task`` for every ``(target, name, config)`` in ``keys`` at ``buckets``, the work dealt
     into up to ``jobs`` fresh processes; ``[launches, launcher stubs]`` summed."""
     groups = split([(key, bucket) for key in keys for bucket in buckets], jobs)  # keys: one object each
-    totals = [0, 0]
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter each: no state from this one
-    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(groups))), mp_context=context,
-                                                initializer=_throwaway_tune_cache if candidates else _log_to_stderr
-                                                ) as pool:
-        futures = [pool.submit(compile_task, *key, max_batch_size, group, launchers, candidates)
-                   for key, group in groups]
-        for future in futures:
-            for i, count in enumerate(future.result()):
-                totals[i] += count
-    return totals
+    tasks = [(*key, max_batch_size, group, launchers, candidates) for key, group in groups]
+    results = _run_in_pool(compile_task, tasks, jobs, _throwaway_tune_cache if candidates else _log_to_stderr)
+    return [sum(counts) for counts in zip(*results, strict=True)] if results else [0, 0]
+
+
+def _run_in_pool(task, argument_lists, jobs: int, initializer) -> list:
+    """``task(*arguments)`` for each of ``argument_lists`` in a pool of up to ``jobs`` fresh
+    interpreters (spawned: no state from this one) set up by ``initializer``; their results in order."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(argument_lists))), mp_context=context,
+                                                initializer=initializer) as pool:
+        return [f.result() for f in [pool.submit(task, *arguments) for arguments in argument_lists]]
 
 
 def _log_to_stderr() -> None:
