@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: bench, models and service import from the checkout
 
 from bench import load_profile, load_report, runs  # noqa: E402
-from bench.loadgen import LoadPool  # noqa: E402
+from bench.loadgen import LoadPool, default_procs  # noqa: E402
 from bench.servers import ServerProcess, available, default_servers, parse_server, read_procs  # noqa: E402
 
 WIDE = 2048  # width of every layer of the "wide" model
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="rounds, each server once per model and client count (default 3)")
     p.add_argument("--duration", type=float, help="seconds per run (default 5; --quick 2)")
     p.add_argument("--max-requests", type=int, default=2_000_000, help="request cap per run, over all clients")
-    p.add_argument("--procs", type=int, default=max(2, min(8, cores // 2)), help="load generator processes")
+    p.add_argument("--procs", type=int, default=default_procs(), help="load generator processes")
     p.add_argument("--naive-workers", type=int, help="uvicorn workers of the N-worker naive app (cpu: cores; cuda: 12)")
     p.add_argument("--fusedserve-flags", default="", help='extra flags for fusedserve, e.g. "--workers 4"')
     p.add_argument("--devices", nargs="+", help="fusedserve once per value of its --devices (cuda:0 all: one GPU "
@@ -228,6 +228,15 @@ def rounds(pool: LoadPool, servers: dict, traffic: dict, args, started: float) -
     return runs, False
 
 
+def warm(pool: LoadPool, servers: dict, traffic: dict, args) -> None:
+    """An untimed second per server and model at the most clients: first traffic (page faults, lazy
+    set-up) skews no run."""
+    for s in servers.values():
+        for model in args.models:
+            send(pool, s, traffic[model], max(args.clients), 1.0, args.max_requests)
+        s.pause()
+
+
 def profile(pool: LoadPool, servers: dict, traffic: dict, args, work: Path) -> dict:
     """Our server under 1 and 64 digits clients (untimed runs): CPU by thread, and py-spy's samples
     where it is installed (the collapsed stacks kept in the run, for a flame graph)."""
@@ -332,10 +341,7 @@ def benchmark(args, work: Path, started: float) -> dict:
         agree = check_answers(servers, request_traffic("digits", 64, 1).bodies[:4],
                               args.ours if args.ours in servers else next(iter(servers)))
         with LoadPool(args.procs) as pool:
-            for s in servers.values():  # untimed: first traffic (page faults, lazy set-up) skews no run
-                for model in args.models:
-                    send(pool, s, traffic[model], max(args.clients), 1.0, args.max_requests)
-                s.pause()
+            warm(pool, servers, traffic, args)
             t0 = time.monotonic()
             runs, cut = rounds(pool, servers, traffic, args, t0)
             runs_s = time.monotonic() - t0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -47,6 +48,11 @@ class Tally:
     errors: Counter = field(default_factory=Counter)
     sent: int = 0
     last: float = 0.0  # time.monotonic() of the last answer
+
+
+def default_procs() -> int:
+    """Load generator processes: half the cores, 2 to 8 (the servers need the other half)."""
+    return max(2, min(8, (os.cpu_count() or 1) // 2))
 
 
 def split(total: int, parts: int) -> list[int]:
