@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-FIGURES = ("rps", "p50_ms", "p90_ms", "p99_ms", "server_cpu_ms_per_request", "client_cpu_ms_per_request",
+FIGURES = ("rps", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "server_cpu_ms_per_request", "client_cpu_ms_per_request",
            "foreign_cpu_s", "machine_busy")
 
 
@@ -100,13 +100,13 @@ def evaluate(summary: list[dict], device: str, ours: str, naive_one: str, naive_
 
 
 def ratios(summary: list[dict], ours: str) -> list[dict]:
-    """``ours`` against every other server, per model and client count: req/s and p99 ratios."""
-    rows = []
+    """``ours`` against every other server, per model and client count: req/s and latency ratios."""
+    rows, figures = [], ("rps", "mean_ms", "p50_ms", "p99_ms")
     for row in summary:
         if row["server"] == ours:
             continue
-        mine = {f: median_of(summary, row["model"], row["clients"], ours, f) for f in ("rps", "p50_ms", "p99_ms")}
-        theirs = {f: (row[f] or {}).get("median") for f in ("rps", "p50_ms", "p99_ms")}
+        mine = {f: median_of(summary, row["model"], row["clients"], ours, f) for f in figures}
+        theirs = {f: (row[f] or {}).get("median") for f in figures}
         rows.append({"model": row["model"], "clients": row["clients"], "peer": row["server"],
                      **{f"{f}_ratio": None if r is None else round(r, 3)
                         for f, r in ((f, _ratio(mine[f], theirs[f])) for f in mine)}})
