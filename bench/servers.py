@@ -49,10 +49,13 @@ def fusedserve_spec(name: str, extra_flags: list[str]) -> ServerSpec:
                              *extra_flags), settled_path="/kernel-stats")
 
 
-def naive_spec(workers: int) -> ServerSpec:
-    """bench/peers/naive_fastapi.py under uvicorn with ``workers`` processes."""
-    return ServerSpec(f"naive_fastapi_{workers}w",
-                      ("{python}", "-m", "uvicorn", "--factory", "naive_fastapi:create_app", "--app-dir",
+def naive_spec(workers: int, runtime: str = "torch") -> ServerSpec:
+    """bench/peers/naive_fastapi.py under uvicorn with ``workers`` processes: torch eager on the
+    repository's models, or (``runtime="onnxruntime"``) onnxruntime on their ``model.onnx`` files."""
+    name, factory = {"torch": ("naive_fastapi", "create_app"),
+                     "onnxruntime": ("naive_onnxruntime", "create_onnx_app")}[runtime]
+    return ServerSpec(f"{name}_{workers}w",
+                      ("{python}", "-m", "uvicorn", "--factory", f"naive_fastapi:{factory}", "--app-dir",
                        "bench/peers", "--host", "127.0.0.1", "--port", "{port}", "--workers", str(workers),
                        "--log-level", "warning", "--no-access-log"),
                       env={"NAIVE_REPOSITORY": "{repo}", "NAIVE_DEVICE": "{device}"}, protocols=("json",))

@@ -38,3 +38,29 @@ async def test_is_ready_and_refuses_an_unknown_model(client):
     r = await client.post("/infer", json={"model": "nope", "inputs": ROWS})
     assert r.status_code == 404 and "nope" in r.text
     assert (await client.post("/infer", json={"model": "digits"})).status_code == 422
+
+
+async def test_the_onnxruntime_app_answers_infer_as_its_file_does(tmp_path, monkeypatch):
+    import onnxruntime
+
+    from bench.onnx_peer import QUICK_MODELS, export
+    from bench.peers.naive_fastapi import ONNX_FILE, create_onnx_app
+
+    name, widths, act = QUICK_MODELS[0]
+    (tmp_path / name).mkdir()
+    path = export(name, widths, act, tmp_path).rename(tmp_path / name / ONNX_FILE)
+    monkeypatch.setenv("NAIVE_REPOSITORY", str(tmp_path))
+    monkeypatch.setenv("NAIVE_DEVICE", "cuda")  # no CUDA provider in CPU builds: the app says it runs on CPU
+    rows = np.random.default_rng(0).standard_normal((5, widths[0]), dtype=np.float32)
+    expected = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": rows})[0]
+    app = create_onnx_app()
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            r = await c.post("/infer", json={"inputs": rows.tolist()})
+            assert r.status_code == 200 and r.json()["model"] == name
+            np.testing.assert_allclose(r.json()["outputs"], expected, atol=1e-6)  # the same session, one float32 file
+            providers = (await c.get("/providers")).json()
+            assert (await c.post("/infer", json={"model": "nope", "inputs": rows.tolist()})).status_code == 404
+    available = onnxruntime.get_available_providers()
+    assert providers == {name: "CUDAExecutionProvider" if "CUDAExecutionProvider" in available
+                         else "CPUExecutionProvider"}
