@@ -24,7 +24,8 @@
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
 #   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning).
 # onnx-peer: bench/onnx_peer.py (imported ONNX models vs onnxruntime on the same file; ONNX_DTYPE; needs
-#   onnx and onnxruntime on the host).
+#   onnx and onnxruntime on the host). onnx-peer-http: the same end to end, fusedserve serve against a naive
+#   FastAPI app on onnxruntime, loaded over HTTP (ONNX_BUDGET_S).
 # model-contract: bench/model.py --contract (host rows in and out vs a torch CUDA graph with staging).
 # dashboard: a real server on the GPU (DASHBOARD_REPOSITORY, default the shipped one) driven for
 #   20 s; the live page's JSON saved to dashboard.jsonl (tools/dashboard_shot.py replay draws it).
@@ -226,6 +227,8 @@ for s in "${stages[@]}"; do
             --budget-s "${CONTRACT_BUDGET_S:-420}" --out "$out" ;;
         onnx-peer) stage onnx-peer "${ONNX_LIMIT_S:-400}" python3 bench/onnx_peer.py --dtype "${ONNX_DTYPE:-float32}" \
             --out "$out" ;;
+        onnx-peer-http) stage onnx-peer-http "${ONNX_LIMIT_S:-400}" python3 bench/onnx_peer.py --http --device cuda \
+            --dtype "${ONNX_DTYPE:-float32}" --budget-s "${ONNX_BUDGET_S:-300}" --out "$out" ;;
         model-contract) stage model-contract 590 python3 bench/model.py --contract --budget-s "${CONTRACT_BUDGET_S:-420}" \
             ${CONTRACT_QUICK:+--quick} --out "$out" --plot "$out/model-contract_$gpu.png" ;;
         dashboard) echo "=== dashboard ($(date -u +%FT%TZ))" | tee -a "$log"; dashboard 2>&1 | tee -a "$log" ;;
