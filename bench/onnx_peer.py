@@ -58,7 +58,7 @@ BATCHES, QUICK_BATCHES = (1, 8, 64, 256, 1024), (1, 8, 64)
 CALLS, QUICK_CALLS = 500, 20
 METHOD = ("torch MLP -> torch.onnx.export (TorchScript exporter, opset 18) -> fusedserve.models.from_onnx; "
           "host float32 rows in and out; fusedserve ModelRunner.run vs onnxruntime InferenceSession.run on the "
-          "same file, called alternately, median us per call")
+          "same file (intra-op spinning off), called alternately, median us per call")
 HTTP_METHOD = ("torch MLP -> torch.onnx.export (TorchScript exporter, opset 18) -> fusedserve.models.from_onnx into a "
                "model repository, the .onnx file beside it; fusedserve serve vs a FastAPI app calling onnxruntime "
                "InferenceSession.run inline (bench/peers/naive_fastapi.py create_onnx_app, uvicorn); JSON POST /infer "
@@ -83,7 +83,11 @@ def export(name: str, widths, act, folder: Path) -> Path:
 def ort_session(path: Path):
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(str(path), providers=ort_providers("cuda"))
+    # Idle intra-op threads sleep instead of spinning: calls alternate with ours in this process, and
+    # spinning threads starve torch's parallel host copies (milliseconds at 32k+ element batches).
+    options = onnxruntime.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(str(path), options, providers=ort_providers("cuda"))
     return session, session.get_providers()[0]
 
 
