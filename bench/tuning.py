@@ -19,9 +19,11 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import runs  # noqa: E402
@@ -81,7 +83,8 @@ def measure(sizes, dtype, max_batch_size, log) -> list[dict]:
 def measure_ahead(sizes, dtype, max_batch_size, log) -> list[dict]:
     """The background tuner's way (``--ahead``): on a fresh Triton cache, every candidate of every
     bucket compiled first by processes that need no GPU (``models.aot.compile_candidates``), then
-    each bucket tuned here, which should only time (kernels load from Triton's cache)."""
+    each bucket tuned here, which should only time (kernels load from Triton's cache); what it still
+    compiles is counted per kernel (``compiled_after``)."""
     from fusedserve.models import aot
 
     fresh_caches()
@@ -91,11 +94,17 @@ def measure_ahead(sizes, dtype, max_batch_size, log) -> list[dict]:
     aot.compile_candidates(aot.local_target(runner.device), "mlp", runner.model.config.to_dict(), max_batch_size,
                            runner.buckets)
     ahead = round(time.perf_counter() - start, 3)
-    rows = []
-    for b in runner.buckets:
-        rows.append(dict(model="-".join(map(str, sizes)), dtype=dtype, bucket=b, ahead_compile_s=ahead,
-                         tune_after_s=seconds_of(lambda b=b: runner.tune(b))))
-        log(f"  {rows[-1]}")
+    rows, misses = [], []
+    triton.knobs.compilation.listener = lambda src, cache_hit, **_: misses.append(src.name) if not cache_hit else None
+    try:
+        for b in runner.buckets:
+            misses.clear()
+            rows.append(dict(model="-".join(map(str, sizes)), dtype=dtype, bucket=b, ahead_compile_s=ahead,
+                             tune_after_s=seconds_of(lambda b=b: runner.tune(b)),
+                             compiled_after=dict(Counter(misses))))  # kernels the ahead pass missed
+            log(f"  {rows[-1]}")
+    finally:
+        triton.knobs.compilation.listener = None
     return rows
 
 
