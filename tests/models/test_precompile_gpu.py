@@ -25,7 +25,15 @@ MAX_BATCH = 256  # buckets 1..256: the weight-streaming and the persistent TMA f
 
 # Warm every model of a repository as the server does (optionally after the cold start's compile
 # workers), counting Triton's compiles that missed its cache; prints them as JSON.
-WARM = """
+# What tells two compiles of one kernel apart: its argument types, specializations, constants
+# and compile options (a line of each script below).
+KEY = """
+def KEY(src, metadata):
+    return {"name": src.name, "signature": str(src.signature), "attrs": str(src.attrs),
+            "constants": str(sorted(src.constants.items(), key=str)),
+            "options": {k: str(v) for k, v in metadata.items() if k not in ("hash", "shared", "name")}}
+"""
+WARM = KEY + """
 import json, sys
 import triton
 from fusedserve.models import ModelRunner, latest_version, load_model, model_directories
@@ -35,14 +43,57 @@ runners = [ModelRunner(load_model(latest_version(d)[1], device="cuda", name=d.na
 if sys.argv[3] == "workers":
     compile_ahead(runners, max_workers=8)
 misses = []
-def listen(src, cache_hit, **_):
+def listen(src, metadata, cache_hit, **_):
     if not cache_hit:
-        misses.append(f"{src.name} attrs={src.attrs} constants={src.constants}")
+        misses.append(KEY(src, metadata))
 triton.knobs.compilation.listener = listen
 for runner in runners:
     runner.warmup()
 print(json.dumps({"misses": misses, "compile_s": {r.name: r.startup_seconds["compile"] for r in runners}}))
 """
+
+
+# The same repository compiled on a virtual GPU, as ``fusedserve precompile`` does, each compile's KEY.
+VIRTUAL = KEY + """
+import json, sys
+import triton
+from fusedserve.kernels.rules import batch_buckets
+from fusedserve.models import aot
+keys = []
+triton.knobs.compilation.listener = lambda src, metadata, cache_hit, **_: keys.append(KEY(src, metadata))
+name, capability, sms = sys.argv[3].rsplit(":", 2)
+target = aot.Target(name, tuple(int(c) for c in capability.split(".")), int(sms))
+for model, config in aot.repository_models(sys.argv[1]):
+    aot.compile_task(target, model, config, int(sys.argv[2]), batch_buckets(int(sys.argv[2])), launchers=False)
+print(json.dumps(keys))
+"""
+
+
+def _explain(misses: list, repo, tmp_path) -> str:
+    """Each of the first misses beside the virtual GPU's compile of the same kernel and constants,
+    with the fields that differ: what the next fix needs to know."""
+    name = torch.cuda.get_device_name()
+    major, minor = torch.cuda.get_device_capability()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    env = _env(tmp_path / "explain", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-c", VIRTUAL, str(repo), str(MAX_BATCH), f"{name}:{major}.{minor}:{sms}"],
+                            env=env, capture_output=True, text=True, timeout=900)
+    virtual = json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else []
+    lines = [f"{len(misses)} kernels compiled at warm-up (virtual compile: {len(virtual)} keys"
+             f"{'' if result.returncode == 0 else ', failed: ' + result.stderr[-500:]})"]
+    for miss in misses[:3]:
+        same = [v for v in virtual if v["name"] == miss["name"] and v["constants"] == miss["constants"]]
+        near = same or [v for v in virtual if v["name"] == miss["name"]]
+        lines.append(f"miss: {json.dumps(miss)}")
+        if near:
+            lines.append("  differs from the virtual compile in: " + json.dumps(
+                {k: (miss[k], near[0][k]) for k in miss if miss[k] != near[0][k]}))
+    return "\n".join(lines)
+
+
+def _check_no_misses(warmed: dict, repo, tmp_path) -> None:
+    if warmed["misses"]:
+        pytest.fail(_explain(warmed["misses"], repo, tmp_path), pytrace=False)
 
 
 @pytest.fixture
@@ -84,11 +135,11 @@ def test_a_precompiled_cache_leaves_warm_up_nothing_to_compile(repository, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     before = _entries(tmp_path)
     warmed = _warm(repository, tmp_path, "alone")
-    assert warmed["misses"] == [], warmed
+    _check_no_misses(warmed, repository, tmp_path)
     assert _entries(tmp_path) == before, sorted(_entries(tmp_path) - before)  # no kernel, no launcher stub
 
 
 @pytest.mark.timeout(1800)
 def test_the_compile_workers_leave_warm_up_nothing_to_compile(repository, tmp_path):
     warmed = _warm(repository, tmp_path, "workers")
-    assert warmed["misses"] == [], warmed
+    _check_no_misses(warmed, repository, tmp_path)
