@@ -21,6 +21,8 @@ _FINAL_REPEATS = 5
 # _MAX_SETS copies; together they may still fit in L2, as they would in serving).
 _COLD_BYTES = 128 * 2**20
 _MAX_SETS = 32
+# Set where launches only compile (models.aot): two argument sets key every kernel alike.
+_rotating_bytes = contextvars.ContextVar("fusedserve_rotating_bytes", default=_COLD_BYTES)
 
 
 # Called between two candidates' timings (``yielding``): a background tuner pauses there, or stops.
@@ -125,7 +127,7 @@ def rotating_sets(*tensors):
     """``tensors`` (None allowed) plus copies with the same strides (so the same kernel variant is
     timed), enough that together they exceed ``_COLD_BYTES``."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    count = max(2, min(_MAX_SETS, -(-_COLD_BYTES // max(nbytes, 1))))
+    count = max(2, min(_MAX_SETS, -(-_rotating_bytes.get() // max(nbytes, 1))))
     return [tensors] + [tuple(None if t is None else _same_layout_copy(t) for t in tensors) for _ in range(count - 1)]
 
 

@@ -4,6 +4,7 @@ launches is checked on a GPU (test_precompile_gpu.py)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -98,3 +99,17 @@ def test_a_layer_shapes_candidates_compile_ahead_without_a_gpu(tmp_path, h100_co
     launches = aot.compile_layer_candidates(h100_compiles, [(3, 256, 128, torch.bfloat16)], jobs=1)
     assert launches >= 2 * 8, launches  # 9 Triton and Gluon candidates at M=3, with and without prefetch
     assert len(aot.cache_entries(tmp_path / "triton")) >= 8
+
+
+@pytest.mark.timeout(300)
+def test_shares_of_a_model_compile_each_kernel_once(tmp_path, h100_compiles):
+    # Two processes trace the same buckets and compile disjoint halves of the kernels: together the
+    # same cache entries as one process compiling them all, and no launch counted twice.
+    config = MLPConfig(64, (256,), 16, "relu", "bfloat16").to_dict()
+    task = (h100_compiles, "m", config, 8, [1, 8], False, False)
+    [(whole, _)] = aot._run_in_pool(aot.compile_task, [(*task, (0, 1))], 1, aot._log_to_stderr)
+    entries = aot.cache_entries(tmp_path / "triton")
+    shutil.rmtree(tmp_path / "triton")
+    halves = aot._run_in_pool(aot.compile_task, [(*task, (i, 2)) for i in range(2)], 2, aot._log_to_stderr)
+    assert sum(launches for launches, _ in halves) == whole > 0, (halves, whole)
+    assert aot.cache_entries(tmp_path / "triton") == entries
