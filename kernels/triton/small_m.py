@@ -19,6 +19,7 @@ import triton.language as tl
 
 from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.precision import dot_precision
 from fusedserve.kernels.rules import MID_M_MAX, SMS
 from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
 
@@ -40,9 +41,11 @@ _SMEM_BUDGET = 200 * 1024
 
 # (BLOCK_N, BLOCK_K, num_stages) of the tensor-core variant, from a tile sweep (see
 # docs/kernels.md): with X^T 16..64 wide, 64-row W tiles won from M=4 to 64. fp32: only tiles that
-# keep the accumulator in registers without spilling on sm_90.
+# keep the accumulator in registers without spilling on sm_90; 3xTF32 holds two copies of each
+# operand tile, and there the 256-deep one spills 5-10 KB a thread (docs/kernels.md).
 _TILES = ((64, 256, 3), (64, 128, 5), (32, 256, 4), (128, 128, 3))
 _FP32_TILES = ((32, 256, 4), (32, 128, 6))
+_FP32X3_TILES = ((32, 128, 6),)
 # The GEMV variant (no tensor cores) for a handful of rows, where the MMA would pad M to 16: it runs
 # up to GEMV_MAX_M rows and is a tuning candidate up to _GEMV_TUNE_M (16-bit past 8 rows its FMAs
 # take as long as streaming W). (BLOCK_N, BLOCK_K, num_warps, num_stages): one row streams best
@@ -99,7 +102,7 @@ def candidates(M, N, K, dtype):
                                     num_warps=warps, num_stages=stages))
         if M == 1 and dtype == torch.bfloat16:  # (past one row the pairs' unpacking spills registers)
             configs[2:2] = [dict(c, PAIRS=True) for c in configs[:2]]
-    tiles = _FP32_TILES if dtype == torch.float32 else _TILES
+    tiles = _TILES if dtype != torch.float32 else _FP32X3_TILES if dot_precision(dtype) == "tf32x3" else _FP32_TILES
     if configs:
         tiles = tiles[:2]
     elif M <= 64:
