@@ -16,38 +16,21 @@ from fusedserve.kernels.precision import FP32_PRECISION_ENV
 # A few bytes a thread (split-K's 128x128 tile: 28) cost little; kilobytes (the tiles left out) do.
 FEW_BYTES = 64
 
-# Prints one line per candidate: family, config, registers, spill bytes.
+# Prints one line per compiled kernel of each candidate: family, config, registers, spill bytes.
 COMPILE_SM90 = """
 import sys
 import torch
-from triton.runtime.jit import MockTensor
-from tools.sm90 import compile_sm90, ptxas_usage
 from fusedserve.kernels.triton import small_m, split_k, tiled
-
-def mock(*shape, dtype=torch.float32):
-    return MockTensor(dtype, list(shape))
+from tools.sm90 import ptxas_usage
+from tools.sm90_triton import compile_launch
 
 M, N, K = (int(v) for v in sys.argv[1:4])
-flags = dict(HAS_BIAS=True, ACTIVATION="relu", INPUT_PRECISION="tf32x3", UPCAST_BF16=False, USE_PDL=True)
-if sys.argv[4] == "small_m":
-    for config in small_m.candidates(M, N, K, torch.float32):
-        if config.get("GEMV"):
-            continue  # CUDA-core products: no tl.dot, nothing to split
-        args = (mock(M, K), mock(N, K), mock(N), mock(M, N), mock(config["SPLIT_K"], M, N),
-                mock(1024, dtype=torch.int32), M, N, K, K, K, N)
-        meta = dict(flags, PREFETCH_W=False, BLOCK_M=small_m.block_m(M), **config)
-        print("small_m", config, *ptxas_usage(compile_sm90(small_m._small_m_kernel, args, meta)))
-elif sys.argv[4] == "split_k":
-    for config in split_k.candidates(M, N, K, torch.float32):
-        meta = dict(flags, **config)
-        for name in ("HAS_BIAS", "ACTIVATION", "SPLIT_K"):  # the summing kernel's
-            meta.pop(name)
-        args = (mock(M, K), mock(N, K), mock(config["SPLIT_K"], M, N), M, N, K, K, K, K // config["SPLIT_K"])
-        print("split_k", config, *ptxas_usage(compile_sm90(split_k._split_k_partial_kernel, args, meta)))
-else:
-    for config in tiled.candidates(M, N, K, torch.float32):
-        args = (mock(M, K), mock(N, K), mock(N), mock(M, N), M, N, K, K, K, N)
-        print("tiled", config, *ptxas_usage(compile_sm90(tiled._tiled_linear_kernel, args, dict(flags, **config))))
+module = {"small_m": small_m, "split_k": split_k, "tiled": tiled}[sys.argv[4]]
+for config in module.candidates(M, N, K, torch.float32):
+    if config.get("GEMV"):
+        continue  # CUDA-core products: no tl.dot, nothing to split
+    for compiled in compile_launch(module, M, N, K, torch.float32, config, precision="tf32x3"):
+        print(sys.argv[4], config, *ptxas_usage(compiled))
 """
 
 
