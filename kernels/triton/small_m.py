@@ -87,6 +87,12 @@ def _splits(programs, k_blocks, ways=(1, 2, 4, 8)):
     return fits[:3]
 
 
+def _tensor_core_tiles(dtype):
+    if dtype != torch.float32:
+        return _TILES
+    return _FP32X3_TILES if dot_precision(dtype) == "tf32x3" else _FP32_TILES
+
+
 def candidates(M, N, K, dtype):
     """Configs worth timing for this shape (at most 12): tensor-core tiles, each with the split-K
     factors of ``_splits``, pipelines shortened to fit in shared memory (or the tile left out);
@@ -102,7 +108,7 @@ def candidates(M, N, K, dtype):
                                     num_warps=warps, num_stages=stages))
         if M == 1 and dtype == torch.bfloat16:  # (past one row the pairs' unpacking spills registers)
             configs[2:2] = [dict(c, PAIRS=True) for c in configs[:2]]
-    tiles = _TILES if dtype != torch.float32 else _FP32X3_TILES if dot_precision(dtype) == "tf32x3" else _FP32_TILES
+    tiles = _tensor_core_tiles(dtype)
     if configs:
         tiles = tiles[:2]
     elif M <= 64:
