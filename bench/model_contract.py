@@ -8,10 +8,10 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
     python bench/model_contract.py --random 6 --seed S [--at-ready]   # models nobody tuned for
 
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
-rows [{"model", "dtype", "widths", "batch", "fusedserve_us", "torch_graph_us", "ratio", "path",
-"mismatch"?}], "summary", "method", "complete", "skipped"; rewritten after every row. Prints the
-targets of issue 23 (ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where
-launch-bound).
+rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
+"torch_graph_device_us", "fusedserve_device_us", "graph", "path", "choices", "kernels", "mismatch"?}],
+"summary", "method", "complete", "skipped"; rewritten after every row. Prints the targets of issue 23
+(ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where launch-bound).
 
 Peer, per batch size (exact, no padding): the torch-backend ``MLP`` (the same weights and input
 normalization) captured once in a CUDA graph as ``static_out = model(static_in).float()``; a call
@@ -142,6 +142,25 @@ class TorchGraphContract:
         return start.elapsed_time(end) * 1e3 / replays
 
 
+def runner_device_us(runner: ModelRunner, bucket: int, calls: int = 200) -> float:
+    """Microseconds per ``runner.compute(bucket)`` on the device (a graph replay where captured):
+    what the GPU spends of a contract call, the rest being host work and copies."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        runner.compute(bucket)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def layer_kernels(runner: ModelRunner, bucket: int) -> list[str]:
+    """Each layer's kernel family and config at ``bucket``, as ``/kernel-stats`` names them."""
+    path = runner.path(bucket)
+    fields = [runner.layer_fields(path, i, bucket) for i in range(len(runner.model.layers))]
+    return [f"{f['kernel']} {f['config']}" for f in fields]
+
+
 def alternate(a, b, x, calls: int) -> tuple[float, float]:
     """Median wall-clock microseconds per call of ``a(x)`` and ``b(x)``, called alternately."""
     for _ in range(20):
@@ -172,17 +191,21 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
         ours_us, torch_us = alternate(runner.run, peer, x, calls)
         device_us = peer.device_us()
+        bucket = bucket_of(batch, runner.max_batch_size)
         row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch,
                    fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
                    ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(device_us, 2),
                    launch_bound=device_us / layers < LAUNCH_BOUND_US_PER_LAYER,
-                   path=runner.path(bucket_of(batch, runner.max_batch_size)),
-                   choices=runner.choice_states.get(bucket_of(batch, runner.max_batch_size)))
+                   fusedserve_device_us=round(runner_device_us(runner, bucket), 2), bucket=bucket,
+                   graph=runner.graphed(bucket), path=runner.path(bucket),
+                   choices=runner.choice_states.get(bucket), kernels=layer_kernels(runner, bucket))
         if not err <= CHECK_RTOL[dtype]:
             row["mismatch"] = f"max relative error {err:.3g} > {CHECK_RTOL[dtype]}"
         emit(row)
         log(f"  {spec[0]:22s} batch {batch:4d}: fusedserve {ours_us:8.1f} us, torch graph {torch_us:8.1f} us "
-            f"({torch_us / ours_us:.2f}x){' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
+            f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {device_us:.1f} us"
+            f"{'' if row['graph'] else ', EAGER'}{' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
+        log(f"    {' | '.join(row['kernels'])}")
         del peer
     del runner, fused, reference
     torch.cuda.empty_cache()

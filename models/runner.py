@@ -209,6 +209,10 @@ class ModelRunner:
             raise ValueError(f"bucket must be one of {self.buckets}, got {bucket!r}")
         return self._chosen.get(bucket)
 
+    def graphed(self, bucket: int) -> bool:
+        """Whether ``bucket`` replays a CUDA graph (False: eager launches, or not warmed yet)."""
+        return bucket in self._graphs.plain
+
     @property
     def timing_method(self) -> str:
         """How timed batches run: "perf_counter" (CPU), "events" (eager launches with CUDA events) or

@@ -29,7 +29,7 @@ MAX_BATCH = 256  # buckets 1..256: the weight-streaming and the persistent TMA f
 # and compile options (a line of each script below).
 KEY = """
 def KEY(src, metadata):
-    return {"name": src.name, "signature": str(src.signature), "attrs": str(src.attrs),
+    return {"hash": metadata["hash"], "name": src.name, "signature": str(src.signature), "attrs": str(src.attrs),
             "constants": str(sorted(src.constants.items(), key=str)),
             "options": {k: str(v) for k, v in metadata.items() if k not in ("hash", "shared", "name")}}
 """
@@ -70,8 +70,9 @@ print(json.dumps(keys))
 
 
 def _explain(misses: list, repo, tmp_path) -> str:
-    """Each of the first misses beside the virtual GPU's compile of the same kernel and constants,
-    with the fields that differ: what the next fix needs to know."""
+    """Every miss in a line (whether the virtual GPU compiles the same hash: if so the kernel was
+    left out ahead, else its key differs), then the first misses beside the virtual GPU's compile
+    of the same kernel and constants, with the fields that differ: what the next fix needs to know."""
     name = torch.cuda.get_device_name()
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -81,13 +82,17 @@ def _explain(misses: list, repo, tmp_path) -> str:
     virtual = json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else []
     lines = [f"{len(misses)} kernels compiled at warm-up (virtual compile: {len(virtual)} keys"
              f"{'' if result.returncode == 0 else ', failed: ' + result.stderr[-500:]})"]
+    hashes = {v["hash"] for v in virtual}
+    for miss in misses:
+        lines.append(f"  {miss['name']} {miss['constants']}: hash {miss['hash'][:12]} "
+                     f"{'in' if miss['hash'] in hashes else 'NOT in'} the virtual compile")
     for miss in misses[:3]:
         same = [v for v in virtual if v["name"] == miss["name"] and v["constants"] == miss["constants"]]
         near = same or [v for v in virtual if v["name"] == miss["name"]]
         lines.append(f"miss: {json.dumps(miss)}")
         if near:
             lines.append("  differs from the virtual compile in: " + json.dumps(
-                {k: (miss[k], near[0][k]) for k in miss if miss[k] != near[0][k]}))
+                {k: (miss[k], near[0][k]) for k in miss if k != "hash" and miss[k] != near[0][k]}))
     return "\n".join(lines)
 
 
