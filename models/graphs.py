@@ -13,6 +13,8 @@ log = logging.getLogger(__name__)
 
 # forward(hook) computes one bucket on the runner's input buffer and returns the device output;
 # hook(i), when given, is called before layer i and once after the last layer (see MLP.forward).
+# A graph's static output is that output cast to float32 inside the graph: the host copy reads
+# float32, and a cast launched after each replay would cost a launch and an allocation per batch.
 Forward = Callable[..., torch.Tensor]
 
 
@@ -51,7 +53,7 @@ class BucketGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         # thread_local: a stats reader collecting timings on another thread must not break it.
         with torch.no_grad(), gc_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = forward(hook)
+            out = forward(hook).float()
         return graph, out
 
     def _record_beside(self, graph, forward: Forward, hook, pool) -> torch.Tensor:
@@ -60,7 +62,7 @@ class BucketGraphs:
         with torch.no_grad(), gc_paused(), torch.cuda.stream(side):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                out = forward(hook)
+                out = forward(hook).float()
             finally:
                 graph.capture_end()
         current.wait_stream(side)

@@ -229,8 +229,8 @@ class ModelRunner:
     def compute(self, bucket: int) -> torch.Tensor:
         """The model on the first ``bucket`` rows of ``input_buffer``, as ``run`` computes it (graph
         replay when captured), without copies or timings: what a benchmark measures. Returns the
-        device output ``[bucket, out_features]``; with graphs it is the graph's static buffer, which
-        the next call overwrites."""
+        device output ``[bucket, out_features]`` in float32, as the host copy reads it; with graphs
+        it is the graph's static buffer, which the next call overwrites."""
         with self._lock:
             return self._compute(bucket)
 
@@ -246,7 +246,7 @@ class ModelRunner:
             if bucket in self._graphs.plain:
                 return self._compute(bucket)
         with torch.no_grad():
-            return self._forward(bucket, self._chosen[bucket])
+            return self._forward(bucket, self._chosen[bucket]).float()
 
     def pending_timings(self) -> int:
         """Layer timings whose CUDA events the GPU has not reached (or nobody has read) yet."""

@@ -159,6 +159,7 @@ def test_compute_replays_the_graph_run_uses():
     runner.input_buffer[:3].copy_(x)
     out = runner.compute(4)
     assert 4 in runner._graphs.plain and out.device.type == "cuda" and out.shape == (4, OUT)
+    assert out.dtype == torch.float32  # the cast to what the host copy reads is in the graph
     # The same captured graph on the same rows: bitwise equal.
     torch.testing.assert_close(out[:3].float().cpu(), via_run, rtol=0, atol=0)
 
