@@ -1,10 +1,12 @@
-"""The two ways a runner computes a bucket, what each layer runs on them, and the timed choice.
+"""The ways a runner computes a bucket, what each layer runs on them, and the timed choice.
 
 "layers": the model's own ``MLP.forward`` (its input normalization, then each ``FusedLinear``); with the
 torch backend the same math on tensors bound once.
 "fused": ``kernels/triton/fused_mlp.py``, one launch per layer with the input normalization fused into layer
 0, its layers' configs tuned together on the whole chain (``tune_chain``) at warm-up.
-Both take the raw float32 input ``[bucket, in]`` and a per-layer ``hook`` (see ``MLP.forward``).
+"vendor": every layer on the vendor's GEMM (``kernels/vendor/cublas.py``), what a user would run instead;
+nothing to compile or tune, so a bucket on provisional choices is timed against it and never starts slower.
+Each takes the raw float32 input ``[bucket, in]`` and a per-layer ``hook`` (see ``MLP.forward``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from functools import partial
 import torch
 
 from fusedserve.kernels import choosing
-from fusedserve.kernels.activations import torch_activation
+from fusedserve.kernels.activations import split_activation, torch_activation
 from fusedserve.kernels.family import config_str
 from fusedserve.kernels.rules import m_bucket, problem_of_shape
 from fusedserve.kernels.triton import fused_mlp
+from fusedserve.kernels.vendor import cublas
 from fusedserve.models.mlp import MLP, normalize_rows, reference_layer, run_layers
 
 # Warm-up times each candidate path with this many rounds of back-to-back calls (best round wins).
@@ -109,11 +112,46 @@ class FusedPath:
         return fused_mlp.NAME, config_str(config)
 
 
+class VendorPath:
+    """Every layer through ``kernels/vendor/cublas.py`` with its first config (cuBLASLt with the bias
+    and the activation in its epilogue where it has one), after the input normalization in torch ops."""
+
+    name = "vendor"
+    CONFIG = dict(cublas.CANDIDATES[0])
+
+    def __init__(self, model: MLP):
+        self.model = model
+        self._activations = [split_activation(layer.activation) for layer in model.layers]
+
+    def tune(self, x: torch.Tensor) -> None:
+        """Nothing to tune: cuBLAS picks its own algorithm."""
+
+    def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
+        model = self.model
+        h = normalize_rows(x, model.input_shift, model.input_scale, model.config.torch_dtype)  # [bucket, in]
+        for i, (layer, (epilogue, after)) in enumerate(zip(model.layers, self._activations, strict=True)):
+            if hook is not None:
+                hook(i)
+            out = torch.empty(h.shape[0], layer.out_features, device=h.device, dtype=h.dtype)
+            h = cublas.launch(h, layer.weight, layer.bias, epilogue, out, self.CONFIG)  # [bucket, hidden[i]]
+            h = h if after is None else after(h)
+        if hook is not None:
+            hook(len(model.layers))
+        return h
+
+    def tuned(self, bucket: int) -> bool:
+        return True
+
+    def kernel(self, index: int, bucket: int) -> tuple[str, str]:
+        return cublas.NAME, cublas.describe(self.CONFIG)
+
+
 def candidate_paths(model: MLP, fused: bool | None) -> dict:
     """The paths a runner of ``model`` may take, by name, in order of preference on a tie.
 
-    ``fused=None``: with the triton backend both on CUDA (timed per bucket at warm-up), "fused"
-    alone under the CPU interpreter; "layers" with the torch backend. ``True``/``False`` forces one.
+    ``fused=None``: with the triton backend on CUDA "fused" (where the chain fits), "layers" and
+    "vendor" (timed per bucket at warm-up), "fused" alone under the CPU interpreter; "layers" with
+    the torch backend. ``True``/``False`` forces "fused" or "layers".
     """
     dtype, device = model.config.torch_dtype, model.device
     use_fused = fused is not False and (fused or model.backend == "triton")
@@ -123,20 +161,24 @@ def candidate_paths(model: MLP, fused: bool | None) -> dict:
             raise ValueError(f"fused=True but model {model.name!r} ({dtype}, backend {model.backend}, "
                              f"{device}) cannot run the fused MLP chain: it needs the triton backend")
         use_fused = fits
-    if not use_fused:
-        return {"layers": LayersPath(model)}
-    if fused is None and device.type == "cuda":
-        return {"fused": FusedPath(model), "layers": LayersPath(model)}
-    return {"fused": FusedPath(model)}
+    automatic = fused is None and device.type == "cuda" and model.backend == "triton"
+    paths = {"fused": FusedPath(model)} if use_fused else {}
+    if automatic or not use_fused:
+        paths["layers"] = LayersPath(model)
+    if automatic:
+        paths["vendor"] = VendorPath(model)
+    return paths
 
 
 def provisional_path(candidates: tuple[str, ...], model: MLP, bucket: int) -> str:
-    """The path a bucket runs before anything is timed: with both candidates, "fused" for narrow
-    models at small batches (``PROVISIONAL_FUSED_MAX_*``), else "layers"."""
-    if len(candidates) == 1:
-        return candidates[0]
+    """The path a bucket compiles before anything is timed (the runner then times it against
+    "vendor" where that is a candidate): "fused" for narrow models at small batches
+    (``PROVISIONAL_FUSED_MAX_*``), else "layers", else what is left."""
     narrow = max(model.config.widths) <= PROVISIONAL_FUSED_MAX_WIDTH and bucket <= PROVISIONAL_FUSED_MAX_ROWS
-    return "fused" if narrow and "fused" in candidates else "layers"
+    for path in ("fused", "layers") if narrow else ("layers", "fused"):
+        if path in candidates:
+            return path
+    return candidates[0]
 
 
 def seconds_per_call(step) -> float:

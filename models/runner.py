@@ -297,20 +297,27 @@ class ModelRunner:
             self._threads.choose(bucket, self._step(bucket, self._chosen[bucket], None))
 
     def _warm_provisional(self, bucket: int) -> None:
-        """Run and capture ``bucket`` on its rule's path with provisional choices: nothing timed. A
-        path that fails leaves the running when another remains (as in ``_tune_candidates``)."""
+        """Run and capture ``bucket`` on its rule's path with provisional choices, no kernel timed;
+        where "vendor" is a candidate too, both graphs are timed and the faster kept. A path that
+        fails leaves the running when another remains (as in ``_tune_candidates``)."""
         path = provisional_path(self._candidates, self.model, bucket)
+        names = tuple(dict.fromkeys((path, "vendor"))) if "vendor" in self._candidates else (path,)
         with provisional.choosing_mode("provisional"), torch.no_grad():
-            try:
-                with self._phase("compile"):  # the first launch of each layer compiles its one config
-                    self._forward(bucket, path)
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-            except Exception:
-                self._leave_out(path, bucket)
-                return self._warm_provisional(bucket)
+            for name in names:
+                try:
+                    with self._phase("compile"):  # the first launch of each layer compiles its one config
+                        self._forward(bucket, name)
+                        if self.device.type == "cuda":
+                            torch.cuda.synchronize(self.device)
+                except Exception:
+                    self._leave_out(name, bucket)
+                    return self._warm_provisional(bucket)
             with self._phase("capture"):
-                graphs = self._capture_candidates(bucket, (path,)) if self.cuda_graphs else {}
+                graphs = self._capture_candidates(bucket, names) if self.cuda_graphs else {}
+            if len(graphs) > 1:
+                with self._phase("path_choice"):
+                    path, self.path_seconds[bucket] = choose({name: graphs[name][0].replay for name in graphs})
+            with self._phase("capture"):
                 self._install(bucket, path, graphs.get(path))
         self.choice_states[bucket] = "provisional"
 
