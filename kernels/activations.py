@@ -45,26 +45,22 @@ def torch_activation(name: str):
     return after or ACTIVATIONS[epilogue]
 
 
-# sqrt(2 / pi), the constant of the tanh approximation of GELU (a constexpr: jit code may only
-# read globals that are).
-_GELU_TANH_C = tl.constexpr(0.7978845608028654)
-# 1 / sqrt(2), for the exact GELU: x * (1 + erf(x / sqrt(2))) / 2.
-_SQRT_HALF = tl.constexpr(0.7071067811865476)
-
-
 def _activate(acc, ACTIVATION: tl.constexpr):
     """``ACTIVATIONS[ACTIVATION]`` of an fp32 tile, in fp32. Builtins only (``tl.sigmoid`` is a jit
-    function of its own), so the same source compiles as Triton and as Gluon, interpreter or not."""
+    function of its own), so the same source compiles as Triton and as Gluon, interpreter or not.
+    Its constants are literals, not constexpr globals: Triton 3.6 adds a callee's constexpr globals
+    to a kernel's cache key only where the callee was hashed first, so a kernel's key (and its
+    Triton cache entry) would depend on what the process compiled before it."""
     if ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0)
     elif ACTIVATION == "gelu":
         # 0.5 * (1 + tanh(u)) == sigmoid(2u): core Triton has no tanh.
-        u = _GELU_TANH_C * (acc + 0.044715 * acc * acc * acc)
+        u = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)  # sqrt(2 / pi) * (...)
         acc = acc * (1 / (1 + tl.exp(-(2.0 * u))))
     elif ACTIVATION == "gelu_erf":
         # erf by Abramowitz and Stegun's 7.1.26 (|error| < 1.5e-7, below fp32's GELU rounding):
         # libdevice's erff spills registers in the widest wgmma tiles, this does not.
-        z = tl.abs(acc) * _SQRT_HALF
+        z = tl.abs(acc) * 0.7071067811865476  # |x| / sqrt(2)
         t = 1 / (1 + 0.3275911 * z)
         poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
         erf_abs = 1 - poly * tl.exp(-z * z)
