@@ -33,44 +33,33 @@ class ModelRunner:
     is padded to its bucket (``kernels.rules.bucket``) in a preallocated device buffer (padded rows
     are computed and dropped); on the CPU rows run unpadded, on the bucket's path and threads.
 
-    ``warmup()`` warms every bucket. A bucket whose kernels the tune cache already holds: each
-    candidate path runs once, then on CUDA one CUDA graph per path is captured and the faster path
-    kept. Any other bucket (with ``provisional``, the default) runs provisional choices
-    (``kernels.provisional``) on one path picked by rule (``paths.provisional_path``): one compile
-    per layer and a capture, nothing timed; ``choice_states[bucket]`` says "provisional" until
-    ``retune(bucket)`` (the background tuner, ``models.background``) times its kernels and paths
-    (the fused path's layers together, ``fused_mlp.tune_chain``) and swaps the result in between
-    two batches, unless the provisional graph times faster; then "tuned" ("fixed" where nothing is
-    ever timed: the CPU, the torch backend).
-    With ``provisional=False`` warm-up tunes every bucket itself. If a capture fails, the runner
-    logs why and launches eagerly. ``startup_seconds`` splits warm-up into compile, tune, capture
-    and path-choice seconds.
+    ``warmup()`` warms every bucket. A bucket whose kernels the tune cache holds: each candidate
+    path runs once, one CUDA graph per path is captured and the fastest kept. Any other bucket (with
+    ``provisional``, the default) runs provisional choices (``kernels.provisional``) on the path its
+    rule picks (``paths.provisional_path``), one compile per layer, no kernel timed; on CUDA its graph
+    is timed against the "vendor" path's and the faster kept. ``choice_states[bucket]`` says
+    "provisional" until ``retune(bucket)`` (``models.background``) times its kernels and paths and
+    swaps the result in between two batches, unless the current graph times faster; then "tuned"
+    ("fixed" where nothing is ever timed: the CPU, the torch backend). With ``provisional=False``
+    warm-up tunes every bucket itself. If a capture fails the runner launches eagerly.
+    ``startup_seconds`` splits warm-up into compile, tune, capture and path-choice seconds.
 
-    Paths (``models.paths``): with the triton backend a bucket runs either "fused" (``kernels/triton/fused_mlp.py``:
-    one launch per layer, the input normalization fused into the first) or "layers" (the model's own
-    forward: normalization, then each layer's ``kernels.fused_linear``). ``fused=None`` measures
-    both on CUDA at warm-up (CUDA events around back-to-back graph replays, as ``compute`` runs
-    them) and keeps the faster per bucket (``path(bucket)``, ``path_seconds``); on the CPU
-    interpreter it takes "fused". ``fused=True``/``False`` forces one path. The torch backend always
-    runs "layers".
+    Paths (``models.paths``): "fused", "layers" and "vendor" with the triton backend on CUDA, timed
+    per bucket as ``compute`` runs them (``path(bucket)``, ``path_seconds``); "fused" under the CPU
+    interpreter; "layers" with the torch backend. ``fused=True``/``False`` forces "fused"/"layers".
 
     Timings (one ``LayerTiming`` per layer launch, to ``timing_sink``, layers named ``layers.<i>``):
     - CPU: ``time.perf_counter`` around each layer (the CPU computes synchronously).
     - CUDA, eager: CUDA events around each layer, kept pending and resolved once the GPU has passed
       them: at the next ``run``, or whenever ``collect_timings()`` is called (a non-blocking sweep
       a stats reader can trigger). Nothing synchronizes just for timing.
-    - CUDA graphs: a replay hides individual kernels, so timings are sampled. Each bucket has a
-      second graph, captured with the first: the same launches with a CUDA event recorded between
-      layers (external event nodes). The first batch of each bucket replays that timed graph, then
-      every ``timing_sample_every``-th batch of that bucket that is at least
-      ``timing_min_interval_s`` seconds after the last timed one. The event nodes split the layers
-      apart (no layer overlaps the next there), so a timed batch costs about one replay more than
-      an untimed one, not eager launches. Where the timed graph cannot be captured (a torch
-      without external events) timed batches run layer by layer eagerly with events, which costs
-      far more host time per batch: the interval bounds how often. ``bench/model.py`` measures the
-      cost with the sink on and off.
-    On the "layers" path the input normalization is not part of any layer's time; on the "fused"
-    path it is part of layer 0's. ``flush_timings()`` waits for every pending timing.
+    - CUDA graphs: a replay hides single kernels, so timings are sampled from a timed twin of each
+      bucket's graph (the same launches with external CUDA events between layers): the first batch
+      of a bucket, then every ``timing_sample_every``-th at least ``timing_min_interval_s`` after
+      the last timed one. A timed batch costs about one replay more; where no twin can be captured
+      (a torch without external events) timed batches launch eagerly with events, the interval
+      bounding how often. ``bench/model.py`` measures the cost with the sink on and off.
+    Only on the "fused" path is the input normalization in layer 0's time. ``flush_timings()`` waits for all.
     """
 
     def __init__(self, model: MLP, *, max_batch_size: int, timing_sink: TimingSink | None = None,
