@@ -9,7 +9,8 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
 
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
 rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
-"torch_graph_device_us", "fusedserve_device_us", "graph", "path", "choices", "kernels", "mismatch"?}],
+"torch_graph_device_us", "fusedserve_device_us", "fusedserve_replay_us", "torch_graph_replay_us", "graph",
+"path", "choices", "kernels", "mismatch"?}] (a replay's wall time with its synchronize, no copies),
 "summary", "method", "complete", "skipped"; rewritten after every row. Prints the targets of issue 23
 (ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where launch-bound).
 
@@ -25,6 +26,7 @@ call (``time.perf_counter``); the median of each. Host-side work counts, as in s
 """
 
 import argparse
+import functools
 import math
 import os
 import random
@@ -161,6 +163,14 @@ def layer_kernels(runner: ModelRunner, bucket: int) -> list[str]:
     return [f"{f['kernel']} {f['config']}" for f in fields]
 
 
+def synchronized(step):
+    """``step`` then a wait for the GPU, as one call taking (and ignoring) an argument."""
+    def call(_):
+        step()
+        torch.cuda.current_stream().synchronize()
+    return call
+
+
 def alternate(a, b, x, calls: int) -> tuple[float, float]:
     """Median wall-clock microseconds per call of ``a(x)`` and ``b(x)``, called alternately."""
     for _ in range(20):
@@ -192,18 +202,23 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         ours_us, torch_us = alternate(runner.run, peer, x, calls)
         device_us = peer.device_us()
         bucket = bucket_of(batch, runner.max_batch_size)
+        # One replay and its synchronize alone, alternated: the rest of a call is host work and copies.
+        ours_replay_us, torch_replay_us = alternate(synchronized(functools.partial(runner.compute, bucket)),
+                                                    synchronized(peer.graph.replay), None, calls // 4)
         row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch,
                    fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
                    ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(device_us, 2),
                    launch_bound=device_us / layers < LAUNCH_BOUND_US_PER_LAYER,
                    fusedserve_device_us=round(runner_device_us(runner, bucket), 2), bucket=bucket,
+                   fusedserve_replay_us=round(ours_replay_us, 2), torch_graph_replay_us=round(torch_replay_us, 2),
                    graph=runner.graphed(bucket), path=runner.path(bucket),
                    choices=runner.choice_states.get(bucket), kernels=layer_kernels(runner, bucket))
         if not err <= CHECK_RTOL[dtype]:
             row["mismatch"] = f"max relative error {err:.3g} > {CHECK_RTOL[dtype]}"
         emit(row)
         log(f"  {spec[0]:22s} batch {batch:4d}: fusedserve {ours_us:8.1f} us, torch graph {torch_us:8.1f} us "
-            f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {device_us:.1f} us"
+            f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {device_us:.1f} us, "
+            f"replay+sync {ours_replay_us:.1f} vs {torch_replay_us:.1f} us"
             f"{'' if row['graph'] else ', EAGER'}{' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
         log(f"    {' | '.join(row['kernels'])}")
         del peer
