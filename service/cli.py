@@ -32,6 +32,8 @@ _FLAGS = {
     "--backend": ("backend", str, "auto, triton or torch"),
     "--max-batch-size": ("max_batch_size", int, "rows per batch (default 64)"),
     "--max-delay-ms": ("max_delay_ms", float, "wait for a fuller batch behind a busy model (default 2)"),
+    "--batch-quiet-ms": ("batch_quiet_ms", float, "experiment: also close a filling batch after this long "
+                                                  "with no new request (default 0: off)"),
     "--max-queue-rows": ("max_queue_rows", int, "queued rows per model before 503 (default 4096)"),
     "--request-timeout-ms": ("request_timeout_ms", float, "per-request deadline, 504 after (default 30000)"),
     "--max-body-bytes": ("max_body_bytes", int, "request body cap, 413 above (default 8 MiB)"),

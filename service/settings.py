@@ -63,6 +63,8 @@ class Settings(BaseSettings):
     backend: str = "auto"  # "auto", "triton" or "torch"
     max_batch_size: int = Field(64, ge=1)
     max_delay_ms: float = Field(2.0, ge=0.0)
+    # Experiment: a filling batch also closes once no request arrived for this long (0: off).
+    batch_quiet_ms: float = Field(0.0, ge=0.0)
     # Rows waiting in one model's queue before new requests get 503 + Retry-After.
     max_queue_rows: int = Field(4096, ge=1)
     # Whole-request deadline; a client's X-Request-Timeout-Ms header may only shorten it.

@@ -2,7 +2,9 @@
 
 A request that finds the model idle runs at once (waiting would only add latency). Requests that
 arrive while a batch runs queue up; when it finishes, the next batch closes as soon as it holds
-``max_batch_size`` rows or ``max_delay_ms`` after its oldest request arrived, whichever is first.
+``max_batch_size`` rows or ``max_delay_ms`` after its oldest request arrived, whichever is first;
+with ``quiet_ms`` > 0 also once no request has arrived for that long (an experiment, off by default:
+a few closed-loop clients never fill a batch, so each of their batches waits out the whole delay).
 Requests are never split or reordered; one that would overflow the batch waits for the next.
 
 Where a batch runs: handing it to a worker thread and back costs ~0.15 ms of CPU and latency (two
@@ -92,19 +94,23 @@ class Batcher:
 
     def __init__(self, runner: Runner, *, max_batch_size: int, max_delay_ms: float,
                  max_queue_rows: int, recorders: tuple[BatchRecorder, ...] = (),
-                 inline_batch_ms: float = 1.0):
+                 inline_batch_ms: float = 1.0, quiet_ms: float = 0.0):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_ms < 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {max_delay_ms}")
         if inline_batch_ms < 0:
             raise ValueError(f"inline_batch_ms must be >= 0, got {inline_batch_ms}")
+        if quiet_ms < 0:
+            raise ValueError(f"quiet_ms must be >= 0, got {quiet_ms}")
         if max_queue_rows < max_batch_size:
             raise ValueError(f"max_queue_rows ({max_queue_rows}) must be >= max_batch_size "
                              f"({max_batch_size})")
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_ms / 1000.0
+        self.quiet_s = quiet_ms / 1000.0
+        self._arrivals = 0  # requests ever queued (the quiet rule watches it grow)
         self.max_queue_rows = max_queue_rows
         self._recorders = recorders
         self._queue = RequestQueue(runner.name, max_queue_rows)
@@ -216,6 +222,7 @@ class Batcher:
         if self._event_loop is None:
             raise NotReady(f"model {self.runner.name!r} is not serving yet")
         item = self._queue.put(x, self._event_loop.create_future(), origin, requests)
+        self._arrivals += 1
         if self._state is _IDLE or (self._state is _FILLING and self._queue.rows >= self.max_batch_size):
             self._wake.set()
         return item
@@ -234,11 +241,25 @@ class Batcher:
                 continue
             if not idle and self._queue.rows < self.max_batch_size and not self._stopping:
                 # The model just finished a batch: let this one fill up to the oldest's deadline.
-                await self._sleep(_FILLING, self._queue.oldest.enqueued + self.max_delay_s - time.monotonic())
+                await self._fill(self._queue.oldest.enqueued + self.max_delay_s)
             batch = self._queue.take(self.max_batch_size)
             idle = False
             if batch:
                 await self._execute(batch)
+
+    async def _fill(self, deadline: float) -> None:
+        """Wait until ``deadline`` (monotonic) or a full batch; with ``quiet_s``, also until a slice
+        of that long passes with no new request."""
+        if not self.quiet_s:
+            return await self._sleep(_FILLING, deadline - time.monotonic())
+        while self._queue.rows < self.max_batch_size and not self._stopping:
+            seen = self._arrivals
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await self._sleep(_FILLING, min(left, self.quiet_s))
+            if self._arrivals == seen:
+                return
 
     async def _sleep(self, state: str, timeout_s: float | None) -> None:
         """Wait for ``_wake`` (set by ``put`` as ``state`` asks, or by stop), at most ``timeout_s``."""

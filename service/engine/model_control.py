@@ -42,7 +42,7 @@ def start_batcher(state: ServiceState, runner) -> Batcher:
     settings = state.settings
     batcher = Batcher(runner, max_batch_size=settings.max_batch_size, max_delay_ms=settings.max_delay_ms,
                       max_queue_rows=settings.max_queue_rows, recorders=(state.stats, state.metrics),
-                      inline_batch_ms=settings.inline_ms(runner.device.type))
+                      inline_batch_ms=settings.inline_ms(runner.device.type), quiet_ms=settings.batch_quiet_ms)
     batcher.start()
     return batcher
 

@@ -111,6 +111,29 @@ async def test_delay_holds_a_batch_behind_a_busy_model_until_the_oldest_deadline
     await b.stop()
 
 
+async def test_quiet_rule_closes_a_filling_batch_once_requests_stop_arriving():
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    b, _ = await started(runner, max_delay_ms=10_000.0, quiet_ms=50.0)
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.02)
+    queued = [asyncio.ensure_future(b.submit(rows(1))) for _ in range(2)]
+    gate.set()
+    await first
+    t0 = time.monotonic()
+    await asyncio.sleep(0.01)  # within the quiet time: joins the batch that is filling
+    queued.append(asyncio.ensure_future(b.submit(rows(1))))
+    await asyncio.wait_for(asyncio.gather(*queued), timeout=5)
+    # The 10 s delay is not waited out: the batch closed after 50 ms without a new request.
+    assert runner.batches == [1, 3] and time.monotonic() - t0 < 2.0, runner.batches
+    await b.stop()
+
+
+async def test_quiet_ms_must_not_be_negative():
+    with pytest.raises(ValueError, match="quiet_ms"):
+        Batcher(FakeRunner(), max_batch_size=8, max_delay_ms=1.0, max_queue_rows=64, quiet_ms=-1)
+
+
 async def test_failed_batch_answers_every_request_and_keeps_serving():
     gate = threading.Event()
     runner = FakeRunner(fail=True, gate=gate)
