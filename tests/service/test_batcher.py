@@ -47,6 +47,17 @@ async def started(runner, **kw):
     return b, stats
 
 
+async def behind_a_held_batch(b, gate: threading.Event, n: int) -> list:
+    """A lone request's batch held on ``gate`` while ``n`` one-row requests queue behind it; the
+    gate is then opened and the first answered. The queued requests' futures."""
+    first = asyncio.ensure_future(b.submit(rows(1)))
+    await asyncio.sleep(0.02)
+    queued = [asyncio.ensure_future(b.submit(rows(1))) for _ in range(n)]
+    gate.set()
+    await first
+    return queued
+
+
 async def test_idle_model_runs_a_lone_request_at_once():
     runner = FakeRunner()
     b, _ = await started(runner, max_delay_ms=10_000.0)
@@ -96,11 +107,7 @@ async def test_delay_holds_a_batch_behind_a_busy_model_until_the_oldest_deadline
     gate = threading.Event()
     runner = FakeRunner(gate=gate)
     b, _ = await started(runner, max_delay_ms=300.0)
-    first = asyncio.ensure_future(b.submit(rows(1)))
-    await asyncio.sleep(0.02)
-    second = asyncio.ensure_future(b.submit(rows(1)))
-    gate.set()
-    await first
+    second, = await behind_a_held_batch(b, gate, 1)
     t0 = time.monotonic()
     await asyncio.sleep(0.1)  # within the 300 ms window: a request sent now joins the same batch
     third = asyncio.ensure_future(b.submit(rows(1)))
@@ -115,11 +122,7 @@ async def test_quiet_rule_closes_a_filling_batch_once_requests_stop_arriving():
     gate = threading.Event()
     runner = FakeRunner(gate=gate)
     b, _ = await started(runner, max_delay_ms=10_000.0, quiet_ms=50.0)
-    first = asyncio.ensure_future(b.submit(rows(1)))
-    await asyncio.sleep(0.02)
-    queued = [asyncio.ensure_future(b.submit(rows(1))) for _ in range(2)]
-    gate.set()
-    await first
+    queued = await behind_a_held_batch(b, gate, 2)
     t0 = time.monotonic()
     await asyncio.sleep(0.01)  # within the quiet time: joins the batch that is filling
     queued.append(asyncio.ensure_future(b.submit(rows(1))))
