@@ -133,24 +133,19 @@ class TorchGraphContract:
         torch.cuda.current_stream().synchronize()
         return self.host_out.clone()
 
-    def device_us(self, replays: int = 200) -> float:
+    def device_us(self) -> float:
         """Microseconds per replay, device only (to tell a launch-bound model)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            self.graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / replays
+        return device_us(self.graph.replay)
 
 
-def runner_device_us(runner: ModelRunner, bucket: int, calls: int = 200) -> float:
-    """Microseconds per ``runner.compute(bucket)`` on the device (a graph replay where captured):
-    what the GPU spends of a contract call, the rest being host work and copies."""
+def device_us(step, calls: int = 200) -> float:
+    """Microseconds per call of ``step`` on the device: CUDA events around ``calls`` back-to-back
+    calls (for the runner, ``compute``: what the GPU spends of a contract call, the rest being host
+    work and copies)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
-        runner.compute(bucket)
+        step()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / calls
@@ -209,7 +204,7 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
                    fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
                    ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(device_us, 2),
                    launch_bound=device_us / layers < LAUNCH_BOUND_US_PER_LAYER,
-                   fusedserve_device_us=round(runner_device_us(runner, bucket), 2), bucket=bucket,
+                   fusedserve_device_us=round(device_us(functools.partial(runner.compute, bucket)), 2), bucket=bucket,
                    fusedserve_replay_us=round(ours_replay_us, 2), torch_graph_replay_us=round(torch_replay_us, 2),
                    graph=runner.graphed(bucket), path=runner.path(bucket),
                    choices=runner.choice_states.get(bucket), kernels=layer_kernels(runner, bucket))

@@ -112,6 +112,15 @@ class FusedPath:
         return fused_mlp.NAME, config_str(config)
 
 
+def vendor_layer(h: torch.Tensor, layer) -> torch.Tensor:
+    """``layer`` on ``h`` through ``kernels/vendor/cublas.py``'s first config, its activation in
+    cuBLASLt's epilogue where it has one, a row-wise one after (``split_activation``)."""
+    epilogue, after = split_activation(layer.activation)
+    out = torch.empty(h.shape[0], layer.out_features, device=h.device, dtype=h.dtype)
+    out = cublas.launch(h, layer.weight, layer.bias, epilogue, out, VendorPath.CONFIG)
+    return out if after is None else after(out)
+
+
 class VendorPath:
     """Every layer through ``kernels/vendor/cublas.py`` with its first config (cuBLASLt with the bias
     and the activation in its epilogue where it has one), after the input normalization in torch ops."""
@@ -121,23 +130,15 @@ class VendorPath:
 
     def __init__(self, model: MLP):
         self.model = model
-        self._activations = [split_activation(layer.activation) for layer in model.layers]
+        self._bound = tuple(partial(vendor_layer, layer=layer) for layer in model.layers)
 
     def tune(self, x: torch.Tensor) -> None:
         """Nothing to tune: cuBLAS picks its own algorithm."""
 
     def forward(self, x: torch.Tensor, hook=None) -> torch.Tensor:
-        model = self.model
-        h = normalize_rows(x, model.input_shift, model.input_scale, model.config.torch_dtype)  # [bucket, in]
-        for i, (layer, (epilogue, after)) in enumerate(zip(model.layers, self._activations, strict=True)):
-            if hook is not None:
-                hook(i)
-            out = torch.empty(h.shape[0], layer.out_features, device=h.device, dtype=h.dtype)
-            h = cublas.launch(h, layer.weight, layer.bias, epilogue, out, self.CONFIG)  # [bucket, hidden[i]]
-            h = h if after is None else after(h)
-        if hook is not None:
-            hook(len(model.layers))
-        return h
+        model = self.model  # [bucket, in] -> [bucket, out], hooks as MLP.forward calls them
+        return run_layers(normalize_rows(x, model.input_shift, model.input_scale, model.config.torch_dtype),
+                          self._bound, hook)
 
     def tuned(self, bucket: int) -> bool:
         return True

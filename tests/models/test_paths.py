@@ -1,11 +1,12 @@
 """The runner's "layers" path: with the torch backend it binds the layers' tensors once and must
-compute exactly what the model's own forward computes, hooks included."""
+compute exactly what the model's own forward computes, hooks included; the "vendor" path the same
+model through the vendor family."""
 
 import pytest
 import torch
 
 from fusedserve.models import MLP, MLPConfig
-from fusedserve.models.paths import LayersPath
+from fusedserve.models.paths import LayersPath, VendorPath
 
 
 def make_model(activation: str, dtype: str) -> MLP:
@@ -39,3 +40,18 @@ def test_the_bound_layers_see_weights_loaded_after_binding():
             layer.weight.mul_(-1)
     x = torch.randn(4, 13)
     torch.testing.assert_close(path.forward(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu_erf", "tanh"])
+def test_the_vendor_path_computes_the_models_forward(activation):
+    # On the CPU the vendor family runs the same torch ops as the reference (addmm then the
+    # activation where torch's CPU epilogue differs), so float32 answers agree to rounding.
+    model = make_model(activation, "float32")
+    path = VendorPath(model)
+    x = torch.randn(7, 13) * 5
+    seen_path, seen_model = [], []
+    got = path.forward(x, seen_path.append)
+    want = model(x, seen_model.append)
+    assert seen_path == seen_model == [0, 1, 2, 3]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert path.tuned(8) and path.kernel(0, 8)[0] == "torch_cublas"
