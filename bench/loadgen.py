@@ -185,11 +185,12 @@ def percentiles_ms(latencies_s: np.ndarray) -> dict:
     return {k: round(float(v), 3) for k, v in zip(keys, values, strict=True)}
 
 
-def merge(parts: list[dict], duration_s: float) -> dict:
+def merge(parts: list[dict], duration_s: float, keep_latencies: bool = False) -> dict:
     """One run's result from its processes' ``run_shard`` results.
 
     req/s counts 200s over the time from the shared start to the last answer of any process (the
-    duration when nothing was answered); percentiles are over every 200's latency of every process."""
+    duration when nothing was answered); percentiles are over every 200's latency of every process
+    (``keep_latencies``: those latencies too, in seconds, to pool several runs)."""
     latencies = np.concatenate([p["latencies"] for p in parts]) if parts else np.array([])
     statuses, errors = Counter(), Counter()
     for p in parts:
@@ -198,10 +199,11 @@ def merge(parts: list[dict], duration_s: float) -> dict:
     elapsed = max((p["elapsed_s"] for p in parts), default=0.0) or duration_s
     ok = int(statuses.get("200", 0))
     failed = sum(v for k, v in statuses.items() if k != "200") + sum(errors.values())
-    return {"requests": ok, "errors": failed, "statuses": dict(sorted(statuses.items())),
-            "transport_errors": dict(sorted(errors.items())), "seconds": round(elapsed, 4),
-            "rps": round(ok / elapsed, 1), **percentiles_ms(latencies),
-            "processes": len(parts), "client_cpu_s": round(sum(p["cpu_s"] for p in parts), 4)}
+    merged = {"requests": ok, "errors": failed, "statuses": dict(sorted(statuses.items())),
+              "transport_errors": dict(sorted(errors.items())), "seconds": round(elapsed, 4),
+              "rps": round(ok / elapsed, 1), **percentiles_ms(latencies),
+              "processes": len(parts), "client_cpu_s": round(sum(p["cpu_s"] for p in parts), 4)}
+    return {**merged, "latencies": latencies} if keep_latencies else merged
 
 
 class LoadPool:
@@ -213,11 +215,11 @@ class LoadPool:
         list(self._pool.map(time.sleep, [0.0] * procs))  # start them all now, not in the first run
 
     def run(self, port: int, path: str, bodies: list[bytes], clients: int, duration_s: float,
-            max_requests: int, lead_s: float = 0.5, headers: tuple = ()) -> dict:
+            max_requests: int, lead_s: float = 0.5, headers: tuple = (), keep_latencies: bool = False) -> dict:
         """One run: ``clients`` over the processes, sending from ``lead_s`` from now for ``duration_s``."""
         start_at = time.monotonic() + lead_s  # time for every process to connect its clients
         shards = plan_shards(port, path, bodies, clients, self.procs, start_at, duration_s, max_requests, headers)
-        return merge(list(self._pool.map(run_shard, shards)), duration_s)
+        return merge(list(self._pool.map(run_shard, shards)), duration_s, keep_latencies)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

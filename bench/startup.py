@@ -20,7 +20,10 @@ with both caches empty, within 10 s with the tune cache empty.
 client sends one request at a time (1, 3, 17 or 64 rows, cycling) while background tuning runs, until
 ``/kernel-stats`` shows no provisional bucket, and ``--after-s`` more. Reports how long tuning took,
 every answer's correctness against the torch model on the CPU, and the p99 latency while tuning
-against the p99 after (target: at most 2x).
+against the p99 after (target: at most 2x). ``--clients 256`` adds load: windows of that many
+connections on one row of each model, h2load (``--h2load DIR``) and the project's own generator in
+turn, while tuning runs and for ``--steady-rounds`` rounds after (``bench/load_windows.py``; issue
+38's targets: req/s while tuning >= 0.8x steady, p99 <= 1.5x, per model, under h2load).
 
 Appends the run to ``OUT/startup.jsonl`` (``bench/runs.py``; OUT defaults to bench/results), one row
 per scenario (``scenario``: shipped, 4x2048, or background_tuning), rewritten after every scenario.
@@ -43,7 +46,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-from bench import runs  # noqa: E402
+from bench import (  # noqa: E402
+    h2load,
+    load_windows as windowed,  # noqa: E402
+    runs,
+)
+from bench.load_windows import LoadWindows  # noqa: E402
+from bench.loadgen import LoadPool  # noqa: E402
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, load_model, save_model  # noqa: E402
 
 READY_TARGET_S = {"empty": 20.0, "warm": 10.0}  # by Triton cache state; the tune cache is empty in every run
@@ -212,8 +221,37 @@ def summary(rows: list[dict]) -> dict:
     return {"met": bool(rows) and not missed, "missed": missed}
 
 
-def tuning_scenario(repo, triton_dir: Path, work: Path, args) -> dict:
-    """Background tuning of the 4x2048 repository under traffic: duration, answers, p99 during vs after."""
+def watch_tuning(server: Server, timeout_s: float, done: dict) -> None:
+    """Poll ``/kernel-stats`` until no bucket is provisional: ``done["at"]`` is then perf_counter()."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        try:
+            choices = [s for info in server.served().values() for s in info["choices"].values()]
+        except (OSError, ValueError, KeyError):  # a busy or restarting server: ask again
+            choices = ["provisional"]
+        if "provisional" not in choices:
+            done["at"] = time.perf_counter()
+            return
+        time.sleep(0.5)
+
+
+def load_windows(repo: Path, port: int, args, pool) -> LoadWindows | None:
+    """Windows of ``--clients`` connections on one row of each model (None without ``--clients``)."""
+    if not args.clients:
+        return None
+    g = torch.Generator().manual_seed(1)
+    widths = {name: load_model(repo / name, device="cpu", backend="torch").config.in_features
+              for name in ("digits", BIG[0])}
+    bodies = {name: _infer_body(name, width, 1, g)[0] for name, width in widths.items()}
+    binary = h2load.find(args.h2load)
+    if binary is None:
+        log("h2load not found (--h2load DIR or PATH): the project's load generator alone")
+    return LoadWindows(port, bodies, args.clients, args.window_s, pool, binary, threads=args.load_procs)
+
+
+def tuning_scenario(repo, triton_dir: Path, work: Path, args, pool=None) -> dict:
+    """Background tuning of the 4x2048 repository under traffic: duration, answers, p99 during vs after
+    from one checking client; with ``--clients``, req/s and p99 of load windows during vs after."""
     env = {"TRITON_CACHE_DIR": str(triton_dir), "FUSEDSERVE_TUNE_CACHE": str(Path(tempfile.mkdtemp(dir=work)))}
     server = Server(repo, BIG_MAX_BATCH, args.port, env, work / "tuning.log", args.device)
     ready_s = server.wait_ready(args.ready_timeout_s)
@@ -221,35 +259,71 @@ def tuning_scenario(repo, triton_dir: Path, work: Path, args) -> dict:
     if ready_s is None:
         row["log_tail"] = server.stop()[-40:]
         return row
+    try:
+        under_traffic(server, repo, args, pool, row)
+    finally:
+        row["log"] = startup_lines(server.stop())
+    return row
+
+
+def under_traffic(server: Server, repo: Path, args, pool, row: dict) -> None:
+    """Traffic while background tuning runs and after, into ``row``: the checking client's answers
+    and p99, and with ``--clients`` the load windows' comparison."""
     reference = load_model(repo / BIG[0], device="cpu", backend="torch")
-    samples, wrong, stop = [], [], threading.Event()
+    loads = load_windows(repo, args.port, args, pool)
+    samples, wrong, stop, done = [], [], threading.Event(), {}
     client = threading.Thread(target=traffic, args=(args.port, BIG[0], reference, stop, samples, wrong), daemon=True)
+    watcher = threading.Thread(target=watch_tuning, args=(server, args.tuning_timeout_s, done), daemon=True)
+    t0 = time.perf_counter()
     client.start()
-    t0, tuned_at = time.perf_counter(), None
-    while time.perf_counter() - t0 < args.tuning_timeout_s:
-        choices = [s for info in server.served().values() for s in info["choices"].values()]
-        if "provisional" not in choices:
-            tuned_at = time.perf_counter()
-            break
-        time.sleep(0.5)
-    time.sleep(args.after_s)
+    watcher.start()
+    windows = drive(loads, watcher, args)
     stop.set()
     client.join(60)
+    tuned_at = done.get("at")
+    row.update(tuned_s=None if tuned_at is None else round(tuned_at - t0, 1), **checked(samples, wrong, tuned_at),
+               served={m: info["choices"] for m, info in server.served().items()})
+    row["met"] = bool(tuned_at and not wrong and row["p99_ratio"] is not None and row["p99_ratio"] <= 2.0)
+    log(f"background tuning: {'done in ' + str(row['tuned_s']) + ' s' if tuned_at else 'not done'}, "
+        f"{len(samples)} checked requests, {len(wrong)} wrong, their p99 {row['p99_ms_during']} ms while tuning vs "
+        f"{row['p99_ms_after']} ms after ({row['p99_ratio']}x, target <= 2x)")
+    if loads:
+        windowed.label(windows, tuned_at)
+        row.update(clients=args.clients, window_s=args.window_s, load=windowed.compare(windows),
+                   windows=windowed.stored(windows))
+        row["met"] = row["met"] and all(r["met"] for r in row["load"] if r["generator"] == loads.generators()[0])
+        for r in row["load"]:
+            log(f"  {r['model']} via {r['generator']}: {r['rps_tuning']} req/s while tuning vs {r['rps_steady']} "
+                f"({r['rps_ratio']}x), p99 {r['p99_ms_tuning']} vs {r['p99_ms_steady']} ms ({r['p99_ratio']}x)")
+
+
+def drive(loads: LoadWindows | None, watcher: threading.Thread, args) -> list[dict]:
+    """Load windows while ``watcher`` waits for tuning, then ``--steady-rounds`` more; without load
+    windows, the checking client alone until tuned and ``--after-s`` more."""
+    windows = []
+    while watcher.is_alive():
+        if loads:
+            windows += loads.round()
+        else:
+            time.sleep(0.5)
+    if not loads:
+        time.sleep(args.after_s)
+        return windows
+    for _ in range(args.steady_rounds):
+        windows += loads.round()
+    return windows
+
+
+def checked(samples: list, wrong: list, tuned_at: float | None) -> dict:
+    """The checking client's figures: requests, wrong answers, p99 while tuning and after."""
     during = [s for t, s, _ in samples if tuned_at is None or t < tuned_at]
     after = [s for t, s, _ in samples if tuned_at is not None and t >= tuned_at]
-    row.update(tuned_s=None if tuned_at is None else round(tuned_at - t0, 1), requests=len(samples),
-               wrong=wrong[:20], wrong_count=len(wrong),
-               p99_ms_during=p99(during) and round(p99(during) * 1e3, 2),
-               p99_ms_after=p99(after) and round(p99(after) * 1e3, 2),
-               served={m: info["choices"] for m, info in server.served().items()})
-    row["p99_ratio"] = (round(row["p99_ms_during"] / row["p99_ms_after"], 2)
-                        if row["p99_ms_during"] and row["p99_ms_after"] else None)
-    row["met"] = bool(tuned_at and not wrong and row["p99_ratio"] is not None and row["p99_ratio"] <= 2.0)
-    row["log"] = startup_lines(server.stop())
-    log(f"background tuning: {'done in ' + str(row['tuned_s']) + ' s' if tuned_at else 'not done'}, "
-        f"{len(samples)} requests, {len(wrong)} wrong, p99 {row['p99_ms_during']} ms while tuning vs "
-        f"{row['p99_ms_after']} ms after ({row['p99_ratio']}x, target <= 2x)")
-    return row
+    found = dict(requests=len(samples), wrong=wrong[:20], wrong_count=len(wrong),
+                 p99_ms_during=p99(during) and round(p99(during) * 1e3, 2),
+                 p99_ms_after=p99(after) and round(p99(after) * 1e3, 2))
+    found["p99_ratio"] = (round(found["p99_ms_during"] / found["p99_ms_after"], 2)
+                          if found["p99_ms_during"] and found["p99_ms_after"] else None)
+    return found
 
 
 def main():
@@ -260,6 +334,13 @@ def main():
     parser.add_argument("--tuning", action="store_true", help="background tuning under traffic instead")
     parser.add_argument("--tuning-timeout-s", type=float, default=300)
     parser.add_argument("--after-s", type=float, default=15, help="--tuning: traffic this long once tuned")
+    parser.add_argument("--clients", type=int, default=0,
+                        help="--tuning: also load each model with this many connections in windows, during and after")
+    parser.add_argument("--window-s", type=int, default=3, help="--clients: seconds per load window")
+    parser.add_argument("--steady-rounds", type=int, default=3, help="--clients: rounds of windows once tuned")
+    parser.add_argument("--h2load", help="--clients: folder holding h2load and its libraries (default: PATH)")
+    parser.add_argument("--load-procs", type=int, default=4, help="--clients: the project's generator's processes "
+                        "and h2load's threads")
     parser.add_argument("--only", choices=("shipped", "4x2048"), help="one repository of the ready scenarios")
     parser.add_argument("--device", default="cuda", help="the servers' --device (cpu: a dry run of the mechanics)")
     parser.add_argument("--compare-serial", action="store_true",
@@ -275,7 +356,12 @@ def main():
     if args.tuning:
         triton_dir = work / "triton_big"
         ready_scenario("4x2048_prefill", big, BIG_MAX_BATCH, triton_dir, work, args)  # fills the Triton cache
-        rows.append(tuning_scenario(big, triton_dir, work, args))
+        pool = LoadPool(args.load_procs) if args.clients else None
+        try:
+            rows.append(tuning_scenario(big, triton_dir, work, args, pool))
+        finally:
+            if pool:
+                pool.close()
     else:
         plan = [("shipped", DEFAULT_REPOSITORY, None), ("4x2048", big, BIG_MAX_BATCH)]
         for name, repo, max_batch in plan:

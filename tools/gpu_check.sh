@@ -15,7 +15,8 @@
 # start-up: time-to-ready of `fusedserve serve` with an empty tune cache, Triton's cache empty then
 #   warm, for the shipped repository and digits + a 4x2048 bf16 model at --max-batch-size 256
 #   (bench/startup.py). start-up-tuning: then background tuning under traffic (answers checked, p99
-#   while tuning vs after).
+#   while tuning vs after). start-up-load: the same under $LOAD_CLIENTS (256) connections per model in
+#   windows, h2load from .tools/ (carry it) beside the project's generator, while tuning and after.
 # tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS;
 #   TUNING_AHEAD=1: the background tuner's way, candidates compiled ahead in parallel).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
@@ -217,6 +218,8 @@ for s in "${stages[@]}"; do
         start-up) stage start-up 560 python3 bench/startup.py --ready-timeout-s 120 --out "$out" ;;
         start-up-tuning) stage start-up-tuning 580 python3 bench/startup.py --tuning --ready-timeout-s 120 \
             --tuning-timeout-s 360 --out "$out" ;;
+        start-up-load) stage start-up-load 590 python3 bench/startup.py --tuning --ready-timeout-s 120 \
+            --tuning-timeout-s "${LOAD_TUNING_S:-300}" --clients "${LOAD_CLIENTS:-256}" --h2load .tools --out "$out" ;;
         tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} ${TUNING_AHEAD:+--ahead} \
             --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
