@@ -195,15 +195,15 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         got, want = runner.run(x), peer(x)
         err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
         ours_us, torch_us = alternate(runner.run, peer, x, calls)
-        device_us = peer.device_us()
+        peer_device_us = peer.device_us()
         bucket = bucket_of(batch, runner.max_batch_size)
         # One replay and its synchronize alone, alternated: the rest of a call is host work and copies.
         ours_replay_us, torch_replay_us = alternate(synchronized(functools.partial(runner.compute, bucket)),
                                                     synchronized(peer.graph.replay), None, calls // 4)
         row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch,
                    fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
-                   ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(device_us, 2),
-                   launch_bound=device_us / layers < LAUNCH_BOUND_US_PER_LAYER,
+                   ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(peer_device_us, 2),
+                   launch_bound=peer_device_us / layers < LAUNCH_BOUND_US_PER_LAYER,
                    fusedserve_device_us=round(device_us(functools.partial(runner.compute, bucket)), 2), bucket=bucket,
                    fusedserve_replay_us=round(ours_replay_us, 2), torch_graph_replay_us=round(torch_replay_us, 2),
                    graph=runner.graphed(bucket), path=runner.path(bucket),
@@ -212,7 +212,7 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
             row["mismatch"] = f"max relative error {err:.3g} > {CHECK_RTOL[dtype]}"
         emit(row)
         log(f"  {spec[0]:22s} batch {batch:4d}: fusedserve {ours_us:8.1f} us, torch graph {torch_us:8.1f} us "
-            f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {device_us:.1f} us, "
+            f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {peer_device_us:.1f} us, "
             f"replay+sync {ours_replay_us:.1f} vs {torch_replay_us:.1f} us"
             f"{'' if row['graph'] else ', EAGER'}{' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
         log(f"    {' | '.join(row['kernels'])}")
