@@ -234,14 +234,24 @@ def every_candidate():
 
 
 def _throwaway_tune_cache() -> None:
-    """A compile process for ``every_candidate``: an empty tune cache of its own, a lower CPU
-    priority, and progress lines."""
+    """A compile process for ``every_candidate`` (background tuning's, beside a serving process): an
+    empty tune cache of its own, idle CPU priority, and progress lines."""
     from fusedserve.kernels import tune_cache
 
     os.environ[tune_cache.ENV_VAR] = tempfile.mkdtemp(prefix="fusedserve-candidates-")
-    if hasattr(os, "nice"):
-        os.nice(10)  # background work beside a serving process: its threads come first on the CPU
+    idle_priority()
     _log_to_stderr()
+
+
+def idle_priority() -> None:
+    """Run this process, and the compilers it starts, only on CPU time the server leaves idle:
+    Linux's SCHED_IDLE class, else the lowest nice. Compiling at nice 10 beside a server at 256
+    clients took a quarter of its throughput (docs/performance.md)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not allowed here
+        if hasattr(os, "nice"):
+            os.nice(19)
 
 
 def compile_task(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],

@@ -113,3 +113,15 @@ def test_shares_of_a_model_compile_each_kernel_once(tmp_path, h100_compiles):
     halves = aot._run_in_pool(aot.compile_task, [(*task, (i, 2)) for i in range(2)], 2, aot._log_to_stderr)
     assert sum(launches for launches, _ in halves) == whole > 0, (halves, whole)
     assert aot.cache_entries(tmp_path / "triton") == entries
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_background_compile_processes_and_their_children_run_at_idle_priority():
+    # In a child interpreter: the class cannot be left again without privileges.
+    code = ("import os, subprocess, sys; from fusedserve.models import aot; aot.idle_priority(); "
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'], "
+            "capture_output=True, text=True, check=True).stdout.strip(); "
+            "print(os.sched_getscheduler(0), child)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(os.SCHED_IDLE)] * 2  # ptxas, started by Triton, inherits it
