@@ -20,7 +20,7 @@ import triton.language as tl
 from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.precision import dot_precision
-from fusedserve.kernels.rules import MID_M_MAX, SMS
+from fusedserve.kernels.rules import MID_M_MAX, SMALL_M_MAX, SMS
 from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
 
 NAME = "triton_small_m"
@@ -410,6 +410,13 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     return out
 
 
-FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=lambda p: p.M <= MID_M_MAX,
+def _offered(p):
+    """Up to the mid rows; on Hopper's 16-bit TMA problems only up to ``SMALL_M_MAX``: past it the
+    Gluon weight-streaming kernel holds those rows, and this one won none of the tuned shapes there
+    on the H100 and H200 tables (docs/kernels.md)."""
+    return p.M <= (SMALL_M_MAX if p.hopper_tma else MID_M_MAX)
+
+
+FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=_offered,
                       candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
                       interpret_config=INTERPRET_CONFIG)

@@ -129,9 +129,11 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
 
 def _offered(p):
     """On a GPU, past the weight-streaming rows, where 128 x 256 tiles leave a quarter of the SMs
-    idle over a long K."""
+    idle over a long K; not for Hopper's 16-bit TMA problems, where the Gluon and TMA families run
+    and split-K won none of the tuned shapes (docs/kernels.md): float32 is where it wins."""
     idle = 1 - triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) / SMS
-    return p.capability is not None and p.M > SMALL_M_MAX and p.K >= _MIN_K and idle >= _IDLE_SHARE
+    return (p.capability is not None and not p.hopper_tma and p.M > SMALL_M_MAX and p.K >= _MIN_K
+            and idle >= _IDLE_SHARE)
 
 
 FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=_offered,
