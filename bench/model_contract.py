@@ -9,8 +9,10 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
 
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
 rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
-"torch_graph_device_us", "fusedserve_device_us", "fusedserve_replay_us", "torch_graph_replay_us", "graph",
-"path", "choices", "kernels", "mismatch"?}] (a replay's wall time with its synchronize, no copies),
+"torch_graph_device_us", "fusedserve_device_us", "fusedserve_replay_us", "torch_graph_replay_us",
+"fusedserve_peer_style_us", "graph", "path", "choices", "kernels", "mismatch"?}] (replay: a replay's
+wall time with its synchronize, no copies; peer_style: our replay inside the peer's own call, to
+tell the runner's host work from what its graph costs),
 "summary", "method", "complete", "skipped"; rewritten after every row. Prints the targets of issue 23
 (ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where launch-bound).
 
@@ -138,6 +140,27 @@ class TorchGraphContract:
         return device_us(self.graph.replay)
 
 
+class RunnerAsPeer:
+    """The runner's graph for ``batch`` driven as ``TorchGraphContract`` drives its own (the same
+    pinned copies, no checks or locks of ``run``): against ``run``, the cost of the runner's host
+    path; against the peer, what the graph and its buffers cost."""
+
+    def __init__(self, runner: ModelRunner, batch: int):
+        self.runner, self.batch = runner, batch
+        self.bucket = bucket_of(batch, runner.max_batch_size)
+        self.host_in = torch.empty(batch, runner.in_features, pin_memory=True)
+        self.host_out = torch.empty(batch, runner.out_features, pin_memory=True)
+        self.device_in = runner.input_buffer[:batch]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.host_in.copy_(x)
+        self.device_in.copy_(self.host_in, non_blocking=True)
+        out = self.runner.compute(self.bucket)
+        self.host_out.copy_(out[:self.batch], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return self.host_out.clone()
+
+
 def device_us(step, calls: int = 200) -> float:
     """Microseconds per call of ``step`` on the device: CUDA events around ``calls`` back-to-back
     calls (for the runner, ``compute``: what the GPU spends of a contract call, the rest being host
@@ -200,12 +223,14 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         # One replay and its synchronize alone, alternated: the rest of a call is host work and copies.
         ours_replay_us, torch_replay_us = alternate(synchronized(functools.partial(runner.compute, bucket)),
                                                     synchronized(peer.graph.replay), None, calls // 4)
+        peer_style_us, _ = alternate(RunnerAsPeer(runner, batch), peer, x, calls // 4)
         row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch,
                    fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
                    ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(peer_device_us, 2),
                    launch_bound=peer_device_us / layers < LAUNCH_BOUND_US_PER_LAYER,
                    fusedserve_device_us=round(device_us(functools.partial(runner.compute, bucket)), 2), bucket=bucket,
                    fusedserve_replay_us=round(ours_replay_us, 2), torch_graph_replay_us=round(torch_replay_us, 2),
+                   fusedserve_peer_style_us=round(peer_style_us, 2),
                    graph=runner.graphed(bucket), path=runner.path(bucket),
                    choices=runner.choice_states.get(bucket), kernels=layer_kernels(runner, bucket))
         if not err <= CHECK_RTOL[dtype]:
@@ -213,7 +238,8 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         emit(row)
         log(f"  {spec[0]:22s} batch {batch:4d}: fusedserve {ours_us:8.1f} us, torch graph {torch_us:8.1f} us "
             f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {peer_device_us:.1f} us, "
-            f"replay+sync {ours_replay_us:.1f} vs {torch_replay_us:.1f} us"
+            f"replay+sync {ours_replay_us:.1f} vs {torch_replay_us:.1f} us, "
+            f"ours called as the peer {peer_style_us:.1f} us"
             f"{'' if row['graph'] else ', EAGER'}{' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
         log(f"    {' | '.join(row['kernels'])}")
         del peer
