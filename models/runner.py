@@ -1,8 +1,7 @@
 """Run a loaded MLP batch by batch: buckets, padding, warm-up, CUDA graphs and per-layer timings.
 
-``ModelRunner`` orchestrates one piece per job: ``staging`` (rows in, padded, outputs out),
-``paths`` (the two ways to compute a bucket and the timed choice), ``graphs`` (CUDA graphs per
-bucket) and ``sampling`` (which batches are timed, their records).
+``ModelRunner`` orchestrates one piece per job: ``staging`` (rows in, padded, outputs out), ``paths``
+(fused, layers, vendor; the timed choice), ``graphs`` (per bucket), ``sampling`` (timed batches).
 """
 
 from __future__ import annotations
@@ -84,6 +83,7 @@ class ModelRunner:
             raise ValueError(f"cuda_graphs=True needs a model on CUDA; {self.name!r} is on {self.device}")
         self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
         self.buckets = rules.batch_buckets(max_batch_size)
+        self._bucket_of = [0] + [rules.bucket(rows, max_batch_size) for rows in range(1, max_batch_size + 1)]
         self._paths = candidate_paths(model, fused)  # name -> path, each built once
         self.fused = "fused" in self._paths  # whether the fused path is a candidate
         self._candidates = tuple(self._paths)  # the paths still in the running
@@ -155,7 +155,7 @@ class ModelRunner:
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._staging.check(x)
-        bucket = rules.bucket(rows, self.max_batch_size)
+        bucket = self._bucket_of[rows]
         if self._pending:  # eager timed batches' events (a lock and a query each; most runs have none)
             self._emit(self._pending.ready())
         if bucket not in self._chosen:

@@ -39,6 +39,11 @@ class Staging:
     def check(self, x) -> int:
         """Rows of ``x`` once it is a float32 CPU ``[M, in_features]`` tensor with 1 to
         ``max_batch_size`` rows; TypeError or ValueError saying what is wrong otherwise."""
+        shape = getattr(x, "shape", ())
+        # Every batch passes here: the usual case in one test, the ones below to say what is wrong.
+        if (type(x) is torch.Tensor and x.dtype is torch.float32 and x.is_cpu and len(shape) == 2
+                and shape[1] == self.in_features and 1 <= shape[0] <= self.max_batch_size):
+            return shape[0]
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype != torch.float32:
