@@ -28,7 +28,7 @@ class LoadWindows:
     port: int
     bodies: dict[str, bytes]  # model -> one JSON /infer body
     clients: int
-    seconds: float
+    seconds: int  # whole: h2load's -D takes no fraction
     pool: LoadPool | None  # the project's generator (None: not run)
     h2load_binary: Path | None  # the C generator (None: not run)
     threads: int = 4  # h2load's threads

@@ -51,7 +51,6 @@ from bench import (  # noqa: E402
     load_windows as windowed,  # noqa: E402
     runs,
 )
-from bench.load_windows import LoadWindows  # noqa: E402
 from bench.loadgen import LoadPool  # noqa: E402
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, load_model, save_model  # noqa: E402
 
@@ -235,7 +234,7 @@ def watch_tuning(server: Server, timeout_s: float, done: dict) -> None:
         time.sleep(0.5)
 
 
-def load_windows(repo: Path, port: int, args, pool) -> LoadWindows | None:
+def traffic_windows(repo: Path, port: int, args, pool) -> windowed.LoadWindows | None:
     """Windows of ``--clients`` connections on one row of each model (None without ``--clients``)."""
     if not args.clients:
         return None
@@ -246,7 +245,7 @@ def load_windows(repo: Path, port: int, args, pool) -> LoadWindows | None:
     binary = h2load.find(args.h2load)
     if binary is None:
         log("h2load not found (--h2load DIR or PATH): the project's load generator alone")
-    return LoadWindows(port, bodies, args.clients, args.window_s, pool, binary, threads=args.load_procs)
+    return windowed.LoadWindows(port, bodies, args.clients, args.window_s, pool, binary, threads=args.load_procs)
 
 
 def tuning_scenario(repo, triton_dir: Path, work: Path, args, pool=None) -> dict:
@@ -270,7 +269,7 @@ def under_traffic(server: Server, repo: Path, args, pool, row: dict) -> None:
     """Traffic while background tuning runs and after, into ``row``: the checking client's answers
     and p99, and with ``--clients`` the load windows' comparison."""
     reference = load_model(repo / BIG[0], device="cpu", backend="torch")
-    loads = load_windows(repo, args.port, args, pool)
+    loads = traffic_windows(repo, args.port, args, pool)
     samples, wrong, stop, done = [], [], threading.Event(), {}
     client = threading.Thread(target=traffic, args=(args.port, BIG[0], reference, stop, samples, wrong), daemon=True)
     watcher = threading.Thread(target=watch_tuning, args=(server, args.tuning_timeout_s, done), daemon=True)
@@ -297,7 +296,7 @@ def under_traffic(server: Server, repo: Path, args, pool, row: dict) -> None:
                 f"({r['rps_ratio']}x), p99 {r['p99_ms_tuning']} vs {r['p99_ms_steady']} ms ({r['p99_ratio']}x)")
 
 
-def drive(loads: LoadWindows | None, watcher: threading.Thread, args) -> list[dict]:
+def drive(loads: windowed.LoadWindows | None, watcher: threading.Thread, args) -> list[dict]:
     """Load windows while ``watcher`` waits for tuning, then ``--steady-rounds`` more; without load
     windows, the checking client alone until tuned and ``--after-s`` more."""
     windows = []

@@ -245,8 +245,8 @@ def _throwaway_tune_cache() -> None:
 
 def idle_priority() -> None:
     """Run this process, and the compilers it starts, only on CPU time the server leaves idle:
-    Linux's SCHED_IDLE class, else the lowest nice. Compiling at nice 10 beside a server at 256
-    clients took a quarter of its throughput (docs/performance.md)."""
+    Linux's SCHED_IDLE class, else the lowest nice. At nice 10 these compiles took throughput
+    from a loaded server (docs/performance.md)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or not allowed here
