@@ -25,7 +25,7 @@ from fusedserve.service.logs import configure
 from fusedserve.service.settings import Settings
 from fusedserve.service.stats.sinks import LayerSinks
 from fusedserve.service.workers import wire
-from fusedserve.service.workers.supervisor import HEARTBEAT_S, until_orphaned
+from fusedserve.service.workers.supervisor import HEARTBEAT_S, IMPORTED, LOADED, until_orphaned
 
 log = logging.getLogger("fusedserve")
 STATUS_POLL_S = 0.05  # how often readiness changes are looked for and pushed to the front ends
@@ -229,6 +229,9 @@ async def _beat(fd: int) -> None:
 
 async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor: int | None = None,
                 heartbeat_fd: int | None = None, label: str | None = None) -> None:
+    log.info("engine%s imported its code; loading models", f" {label}" if label else "")
+    if ready_fd is not None:  # the front ends may start importing theirs while this one loads
+        os.write(ready_fd, IMPORTED)
     # Beats from the start: loading and warm-up run on threads, so a long one is never a silent loop.
     beat = None if heartbeat_fd is None else asyncio.create_task(_beat(heartbeat_fd))
     state = ServiceState.fresh(settings)
@@ -250,7 +253,7 @@ async def serve(settings: Settings, path: str, ready_fd: int | None, supervisor:
     origins = itertools.count(1)
     listener = await loop.create_unix_server(lambda: Connection(server, next(origins)), path, backlog=1024)
     if ready_fd is not None:  # tell the supervisor the models loaded: from now on a crash is restarted
-        os.write(ready_fd, b"1")
+        os.write(ready_fd, LOADED)
         os.close(ready_fd)
     log.info("engine%s listening on %s", f" {label}" if label else "", path)
     tasks = [asyncio.create_task(startup.warm_up_and_serve(state, runners)),

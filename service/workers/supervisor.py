@@ -1,7 +1,7 @@
 """``fusedserve serve --workers N`` (N > 1), or several devices: a small supervisor process. It binds
 the HTTP port (one SO_REUSEPORT socket per front end), spawns one engine process per device
 (``service.workers.engine_process``: models, batchers, CUDA graphs, stats; ``service.workers.devices``
-says which) and, once every engine has loaded its models, N front ends (``service.workers.frontend``:
+says which) and, once every engine has imported its code, N front ends (``service.workers.frontend``:
 uvicorn on its inherited socket, a ``RemoteEngine`` per engine, every one also serving gRPC on one
 port shared with SO_REUSEPORT), and restarts any that dies while the others serve; an engine whose
 event loop stops beating (its ``Heartbeat``) is killed first. Children are fresh interpreters
@@ -33,6 +33,8 @@ POLL_S = 0.05
 RESTART_BACKOFF_S = 1.0  # a child that dies within this long of its start waits this long to restart
 ENGINE_STOP_S = 30.0  # the engine's own shutdown (batchers answering their queues)
 ORPHAN_POLL_S = 0.5  # how often a child checks that its supervisor is still its parent
+# What an engine writes on its ready pipe: its code is imported (front ends may start), its models loaded.
+IMPORTED, LOADED = b"i", b"1"
 HEARTBEAT_S = 0.5  # how often the engine's event loop shows it runs (a byte to us, a PONG to each PING)
 # An engine silent this many heartbeat timeouts is killed. Readiness turns off after one (cheap, and
 # undone when it answers again); a restart costs a model load and warm-up.
@@ -151,16 +153,21 @@ class EngineSlot:
     path: str
     heartbeat: Heartbeat
     child: Child | None = None
-    ready_pipe: int | None = None  # where it says its models loaded (first start only)
+    ready_pipe: int | None = None  # where it says it imported, then loaded its models (first start only)
+    imported: bool = False
     loaded: bool = False
 
-    def poll_loaded(self) -> bool:
-        if not self.loaded:
-            try:
-                self.loaded = bool(os.read(self.ready_pipe, 1))
-            except BlockingIOError:
-                pass
-        return self.loaded
+    def poll(self) -> None:
+        """Read what the engine said on ``ready_pipe``: ``IMPORTED`` once its code is imported, then
+        ``LOADED`` once its models are."""
+        if self.loaded:
+            return
+        try:
+            said = os.read(self.ready_pipe, 2)
+        except BlockingIOError:
+            return
+        self.imported = self.imported or bool(said)
+        self.loaded = LOADED in said
 
 
 class Supervisor:
@@ -239,23 +246,24 @@ class Supervisor:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _watch(self) -> int:
-        """Start the front ends once every engine has loaded its models (started beside them, their
-        imports delayed an engine's start by 5-7 s on a 16-core GPU host; connections wait in the
-        sockets' backlog meanwhile), then restart children until a signal comes. Returns the exit
-        code (1: an engine never loaded)."""
+        """Start the front ends once every engine has imported its code (started beside them, their
+        imports delayed an engine's start by 5-7 s on a 16-core GPU host; after, they import while
+        the engines load and warm up, and connect once they listen; connections wait in the sockets'
+        backlog meanwhile), then restart children until a signal comes. Returns the exit code (1: an
+        engine exited before its models loaded)."""
         started = False
         while self._stop_signal is None:
-            if not started:
-                if all([engine.poll_loaded() for engine in self._engines]):
-                    started = True
-                    for child in self._front_ends:
-                        child.start()
-                for engine in self._engines:
-                    if not engine.loaded and engine.child.proc.poll() is not None:
-                        log.error("%s exited (%s) before its models loaded: see its log above", engine.child.name,
-                                  engine.child.proc.returncode)
-                        self._stop_signal = signal.SIGINT  # nothing was served: no drain
-                        return 1
+            for engine in self._engines:
+                engine.poll()
+                if not engine.loaded and engine.child.proc.poll() is not None:
+                    log.error("%s exited (%s) before its models loaded: see its log above", engine.child.name,
+                              engine.child.proc.returncode)
+                    self._stop_signal = signal.SIGINT  # nothing was served: no drain
+                    return 1
+            if not started and all(engine.imported for engine in self._engines):
+                started = True
+                for child in self._front_ends:
+                    child.start()
             for engine in self._engines:
                 self._kill_if_wedged(engine)
             for child in (*(e.child for e in self._engines), *self._front_ends):
