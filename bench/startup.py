@@ -3,7 +3,7 @@
 Run on the GPU host from the repository root (``bench/gpu_check.sh start-up`` and
 ``start-up-tuning`` run these):
 
-    python bench/startup.py                  # ready times, six scenarios
+    python bench/startup.py                  # ready times, eight scenarios
     python bench/startup.py --tuning         # one scenario, then background tuning under traffic
     python bench/startup.py --only 4x2048 --compare-serial   # plus a cold start, compiling serially
 
@@ -12,17 +12,18 @@ shipped digits plus a 4x2048 bf16 MLP (``--max-batch-size 256``), each started t
 empty tune cache: with an empty Triton cache (``TRITON_CACHE_DIR`` a fresh directory: a bare host
 after ``pip install``), with the Triton cache that first start left (a restart), and with one that
 ``fusedserve precompile`` filled with no GPU visible (a fresh container from the image; its seconds
-recorded too; ``--no-image`` skips it). Ready = ``GET /v2/health/ready`` answers 200, timed from the
+recorded too; ``--no-image`` skips it), then once more from the warm Triton cache with one front end
+(``--workers 1``; the others use the server's default). Ready = ``GET /v2/health/ready`` answers 200, timed from the
 server's process start. Each row also has the server's own split per model (``/kernel-stats``
 ``served[model].startup_s``: compile, tune, capture, path choice) and its bucket states. Targets
 (``READY_TARGET_S``): 20 s with both caches empty, 12 s from the image's, 10 s from a warm Triton cache.
 
 ``--tuning``: the 4x2048 repository with a warm Triton cache and an empty tune cache; once ready, a
 client sends one request at a time (1, 3, 17 or 64 rows, cycling) while background tuning runs, until
-``/kernel-stats`` shows no provisional bucket, and ``--after-s`` more; then a restart on both caches as
-tuning left them (scenario ``4x2048_restart``, target 6 s). Reports how long tuning took,
-every answer's correctness against the torch model on the CPU, and the p99 latency while tuning
-against the p99 after (target: at most 2x). ``--clients 256`` adds load: windows of that many
+``/kernel-stats`` shows no provisional bucket, and ``--after-s`` more; then two restarts on both caches
+as tuning left them (scenario ``4x2048_restart``, target 6 s), with the default front ends and with one.
+Reports how long tuning took, every answer's correctness against the torch model on the CPU, and the
+p99 latency while tuning against the p99 after (target: at most 2x). ``--clients 256`` adds load: windows of that many
 connections on one row of each model, h2load (``--h2load DIR``) and the project's own generator in
 turn, while tuning runs and for ``--steady-rounds`` rounds after (``bench/load_windows.py``; issue
 38's targets: req/s while tuning >= 0.8x steady, p99 <= 1.5x, per model, under h2load).
@@ -83,11 +84,14 @@ def big_repository(root: Path) -> Path:
 class Server:
     """``python -m fusedserve serve`` on CUDA, HTTP only, with its own caches and log file."""
 
-    def __init__(self, repo: Path, max_batch: int | None, port: int, env: dict, log_path: Path, device="cuda"):
+    def __init__(self, repo: Path, max_batch: int | None, port: int, env: dict, log_path: Path, device="cuda",
+                 workers: int | None = None):
         argv = [sys.executable, "-m", "fusedserve", "serve", "--device", device, "--port", str(port),
                 "--grpc-port", "0", "--model-repository", str(repo)]
         if max_batch:
             argv += ["--max-batch-size", str(max_batch)]
+        if workers:
+            argv += ["--workers", str(workers)]
         self.port, self.log_path = port, log_path
         self.started, self.started_unix = time.perf_counter(), time.time()
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=open(log_path, "w"),
@@ -129,8 +133,8 @@ class Server:
 
 
 # Seconds from the process start to the first log line holding each mark, from the log's timestamps.
-PHASES = {"imported": "Started server process", "models_loaded": "loaded model", "warm": "start-up '",
-          "ready": "ready after"}
+PHASES = {"engine_imported": "engine imported its code", "imported": "Started server process",
+          "models_loaded": "loaded model", "warm": "start-up '", "ready": "ready after"}
 
 
 def phases(lines: list[str], started_unix: float) -> dict[str, float]:
@@ -154,17 +158,19 @@ def startup_lines(lines: list[str]) -> list[str]:
 
 
 def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args, parallel=True,
-                   triton_state: str | None = None, tune_dir: Path | None = None) -> dict:
+                   triton_state: str | None = None, tune_dir: Path | None = None, workers: int | None = None) -> dict:
     """Start a server with ``triton_dir`` as Triton's cache and ``tune_dir`` (default: an empty one) as
-    its tune cache; time it to ready. ``parallel``: its --parallel-compile. ``triton_state`` names the
-    Triton cache (default: "warm" where ``triton_dir`` holds anything, else "empty")."""
+    its tune cache; time it to ready. ``parallel``: its --parallel-compile; ``workers``: its front ends
+    (default: the server's). ``triton_state`` names the Triton cache (default: "warm" where
+    ``triton_dir`` holds anything, else "empty")."""
     if triton_state is None:
         triton_state = "warm" if triton_dir.exists() and any(triton_dir.iterdir()) else "empty"
     tune_state = "empty" if tune_dir is None else "tuned"
     tune_dir = tune_dir or Path(tempfile.mkdtemp(prefix="tune-", dir=work))
     env = {"TRITON_CACHE_DIR": str(triton_dir), "FUSEDSERVE_TUNE_CACHE": str(tune_dir),
            "FUSEDSERVE_BACKGROUND_TUNING": "off", "FUSEDSERVE_PARALLEL_COMPILE": "on" if parallel else "off"}
-    server = Server(repo, max_batch, args.port, env, work / f"{name}_{triton_state}.log", args.device)
+    server = Server(repo, max_batch, args.port, env, work / f"{name}_{triton_state}_{workers}.log", args.device,
+                    workers)
     ready_s = server.wait_ready(args.ready_timeout_s)
     served = {}
     if ready_s is not None:
@@ -173,7 +179,7 @@ def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args, pa
     lines = server.stop()
     target = READY_TARGET_S["tuned" if tune_state == "tuned" else triton_state]
     row = dict(scenario=name, triton_cache=triton_state, tune_cache=tune_state, max_batch_size=max_batch,
-               parallel_compile=parallel,
+               parallel_compile=parallel, workers=workers,
                ready_s=None if ready_s is None else round(ready_s, 2), target_s=target,
                met=ready_s is not None and ready_s <= target, served=served,
                phases_s=phases(lines, server.started_unix), log=startup_lines(lines))
@@ -181,7 +187,7 @@ def ready_scenario(name, repo, max_batch, triton_dir: Path, work: Path, args, pa
         row["log_tail"] = lines[-40:]
     ready = "never" if ready_s is None else f"in {ready_s:.1f} s"
     log(f"{name}: Triton cache {triton_state}, tune cache {tune_state}, parallel compile "
-        f"{'on' if parallel else 'off'}: ready {ready} (target {target:.0f} s)")
+        f"{'on' if parallel else 'off'}, front ends {workers or 'default'}: ready {ready} (target {target:.0f} s)")
     log(f"  seconds from start: {row['phases_s']}")
     for model, info in served.items():
         log(f"  {model}: {info['startup_s']}")
@@ -396,9 +402,10 @@ def main():
         finally:
             if pool:
                 pool.close()
-        if rows[-1].get("tuned_s"):  # a restart on what tuning left: both caches warm
-            rows.append(ready_scenario("4x2048_restart", big, BIG_MAX_BATCH, triton_dir, work, args,
-                                       tune_dir=tune_dir))
+        if rows[-1].get("tuned_s"):  # a restart on what tuning left, both caches warm: 8 front ends, then 1
+            for workers in (None, 1):
+                rows.append(ready_scenario("4x2048_restart", big, BIG_MAX_BATCH, triton_dir, work, args,
+                                           tune_dir=tune_dir, workers=workers))
     else:
         plan = [("shipped", DEFAULT_REPOSITORY, None), ("4x2048", big, BIG_MAX_BATCH)]
         for name, repo, max_batch in plan:
@@ -411,6 +418,8 @@ def main():
             if not args.no_image:
                 rows.append(image_scenario(name, repo, max_batch, work, args))
                 run.save(rows, summary(rows), complete=False)
+            rows.append(ready_scenario(name, repo, max_batch, triton_dir, work, args, workers=1))
+            run.save(rows, summary(rows), complete=False)
             if args.compare_serial:
                 rows.append(ready_scenario(name, repo, max_batch, work / f"triton_{name}_serial", work, args,
                                            parallel=False))
