@@ -7,8 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Request
-
 from fusedserve.service.errors import BadInput, NotReady, UnknownModel
 from fusedserve.service.logs import seconds_since_start
 from fusedserve.service.settings import Settings
@@ -143,14 +141,3 @@ def pick_model(models: dict[str, ModelInfo], name: str | None, failed: dict[str,
     if info is None:
         raise UnknownModel(f"unknown model {name!r}; loaded models: {sorted(models)}")
     return info
-
-
-async def get_state(request: Request) -> ServiceState:
-    # async on purpose: FastAPI runs a plain-def dependency in its thread pool, a thread hop per
-    # request (on the 2-core dev machine ~12% of the event loop's time under load).
-    return request.app.state.service
-
-
-async def get_engine(request: Request):
-    """The app's ``service.engine.client.Engine``: this process's models, or the engine process's."""
-    return request.app.state.engine

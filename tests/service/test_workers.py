@@ -7,6 +7,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -349,3 +351,11 @@ def test_front_ends_unexpected_errors_are_counted_in_metrics(tmp_path, monkeypat
             assert 'fusedserve_requests_total{model="wide",outcome="error"} 2.0' in text
     finally:
         s.stop()
+
+
+def test_the_engine_process_imports_no_web_framework():
+    # Front ends start once the engine has imported its code: whatever it imports delays them.
+    code = ("import sys, fusedserve.service.workers.engine_process; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'uvicorn'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.engine.state import get_engine
+from fusedserve.service.http.dependencies import get_engine
 
 router = APIRouter(tags=["health"])
 EngineDep = Annotated[Engine, Depends(get_engine)]

@@ -6,9 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from fusedserve.service.engine.state import ServiceState, get_state
+from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.http import infer_body
 from fusedserve.service.http.codec import read_body
+from fusedserve.service.http.dependencies import get_state
 from fusedserve.service.http.inference import infer
 
 router = APIRouter(tags=["inference"])

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.engine.state import get_engine
+from fusedserve.service.http.dependencies import get_engine
 
 router = APIRouter(tags=["metrics"])
 

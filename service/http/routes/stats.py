@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.engine.state import get_engine
+from fusedserve.service.http.dependencies import get_engine
 
 router = APIRouter(prefix="/kernel-stats", tags=["stats"])
 

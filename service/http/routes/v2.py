@@ -12,9 +12,10 @@ from fastapi.responses import JSONResponse
 
 from fusedserve.service import tensors
 from fusedserve.service.engine.client import Engine
-from fusedserve.service.engine.state import ServiceState, get_engine, get_state
+from fusedserve.service.engine.state import ServiceState
 from fusedserve.service.http import v2_body
 from fusedserve.service.http.codec import read_body
+from fusedserve.service.http.dependencies import get_engine, get_state
 from fusedserve.service.http.inference import infer
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
