@@ -11,6 +11,7 @@ import torch
 
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.family import KernelFamily
+from fusedserve.kernels.rules import SMALL_M_MAX
 
 NAME = "torch_cublas"
 
@@ -20,6 +21,7 @@ NAME = "torch_cublas"
 CANDIDATES = ({"op": "addmm_act"}, {"op": "linear"})
 # At this many float32 rows and fewer our GEMV kept up with the library, K off 16 or not.
 _FP32_GEMV_MAX_M = 8
+_HALF = (torch.bfloat16, torch.float16)
 _DESCRIPTIONS = {
     "addmm_act": "cuBLASLt, bias and relu/gelu in its epilogue",
     "linear": "cuBLASLt addmm, then the activation",
@@ -59,10 +61,14 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
 
 
 def provisional_first(p) -> bool:
-    """float32 past 8 rows with K off a multiple of 16: there our kernels ran at 0.05-0.48x the
-    library's speed at every measured shape, TF32 on or off (H100; likely because Triton then cannot
-    prove the rows 16-element aligned and does not vectorize their loads). Before tuning the library
-    runs these."""
+    """Before tuning the library runs these problems. float32 past 8 rows with K off a multiple of
+    16: there our kernels ran at 0.05-0.48x the library's speed at every measured shape, TF32 on or
+    off (H100; likely because Triton then cannot prove the rows 16-element aligned and does not
+    vectorize their loads). 16-bit past ``SMALL_M_MAX`` rows: the library won most shapes there once
+    tuned, and trails the winner by little where it lost, while the nearest measured shape's family
+    was often far off (docs/kernels.md, "Provisional choices past 64 rows")."""
+    if p.dtype in _HALF:
+        return p.M > SMALL_M_MAX
     return p.dtype == torch.float32 and p.K % 16 != 0 and p.M > _FP32_GEMV_MAX_M
 
 
