@@ -2,9 +2,11 @@
 bucket is tuned, so a model is ready after compiling and capturing, and tuning can come later.
 
 First, a family may claim a class of problems the others are measured to lose
-(``KernelFamily.provisional_first``: float32 with K off a multiple of 16 goes to the vendor's GEMM);
-it runs its first candidate there. Otherwise the choice comes from a table shipped in the package
-per GPU model and Triton version (``tables/<gpu>-triton-<version>.json``, built by
+(``KernelFamily.provisional_first``: the vendor's GEMM claims float32 with K off a multiple of 16
+and 16-bit past 64 rows, ``triton_small_m`` one 16-bit row); it runs its candidate closest to its
+nearest measured config there (its first where the table has none). Otherwise the choice comes
+from a table shipped in the package per GPU model and Triton version
+(``tables/<gpu>-triton-<version>.json``, built by
 ``tools/provisional_table.py`` from the measured winners in ``bench/results/kernels.jsonl``): the
 measured shape nearest to the problem (same dtype, among the families offered for it) names the
 family, and of that family's candidates for the problem the one closest to the measured config is
@@ -110,16 +112,15 @@ def provisional_choice(problem: Problem, families, entries, static_weight: bool 
     """``(family name, config, source)`` for ``problem`` among ``families`` (the offered ones, the
     default first), without timing; source is ``"table"`` or ``"rules"``."""
     timed = replace(problem, M=tuning_rows(problem.M))
+    dtype = str(problem.dtype).removeprefix("torch.")
+    ranked = sorted((e for e in entries if e.dtype == dtype), key=lambda e: distance(e, problem, static_weight))
     for family in families:
         candidates = family.candidates(timed) if family.provisional_first(timed) else None
         if candidates:
-            return family.name, dict(candidates[0]), "rules"
+            return family.name, _nearest_config(family.name, candidates, ranked), "rules"
     by_name = {f.name: f for f in families}
-    dtype = str(problem.dtype).removeprefix("torch.")
-    ranked = sorted((e for e in entries if e.dtype == dtype and e.kernel in by_name),
-                    key=lambda e: distance(e, problem, static_weight))
     for entry in ranked:
-        candidates = by_name[entry.kernel].candidates(timed)
+        candidates = by_name[entry.kernel].candidates(timed) if entry.kernel in by_name else None
         if candidates:
             return entry.kernel, closest_config(candidates, entry.config), "table"
     for family in families:
@@ -127,3 +128,10 @@ def provisional_choice(problem: Problem, families, entries, static_weight: bool 
         if candidates:
             return family.name, dict(candidates[0]), "rules"
     raise ValueError(f"no family has a config for M={problem.M} N={problem.N} K={problem.K} {problem.dtype}")
+
+
+def _nearest_config(name: str, candidates: list[dict], ranked) -> dict:
+    """For a family that claimed the problem: its candidate closest to its nearest measured config,
+    else its first candidate."""
+    entry = next((e for e in ranked if e.kernel == name), None)
+    return dict(candidates[0]) if entry is None else closest_config(candidates, entry.config)

@@ -51,6 +51,30 @@ def test_an_unmeasured_shape_takes_the_nearest_measured_family():
             "a config that is no candidate is only a hint: one of the family's own runs"
 
 
+@pytest.mark.parametrize("gpu", [H200, "NVIDIA H100 80GB HBM3"])
+@pytest.mark.parametrize("N, K", [(840, 11328), (320, 4104), (4096, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_sixteen_bit_row_starts_on_the_gemv(gpu, N, K, dtype):
+    # Rule: with static weights the GEMV won every tuned one-row 16-bit shape (H100 and H200), while
+    # the nearest table shape sometimes named the Gluon kernel, up to 1.55x slower there.
+    problem = hopper(1, N, K, dtype)
+    kernel, config, source = provisional_choice(problem, registry.offered(problem), provisional.table(gpu),
+                                                static_weight=True)
+    assert (kernel, source, config.get("GEMV")) == ("triton_small_m", "rules", True)
+
+
+def test_a_claiming_family_takes_its_nearest_measured_config():
+    problem = hopper(1, 1024, 1024)
+    candidates = registry.family("triton_small_m").candidates(problem)
+    measured = candidates[1]
+    entries = (Entry("bfloat16", 1, 1024, 1024, True, "gluon_small_m", {}),
+               Entry("bfloat16", 1, 4096, 4096, True, "triton_small_m", measured))
+    kernel, config, source = provisional_choice(problem, registry.offered(problem), entries, static_weight=True)
+    assert (kernel, config, source) == ("triton_small_m", measured, "rules")
+    kernel, config, _ = provisional_choice(problem, registry.offered(problem), entries[:1], static_weight=True)
+    assert (kernel, config) == ("triton_small_m", candidates[0]), "no entry of its own: its first candidate"
+
+
 def test_no_table_falls_back_to_the_rules():
     assert provisional.table("Some Future GPU") == ()
     problem = Problem(40, 1000, 24, torch.float16, (8, 0), True)
