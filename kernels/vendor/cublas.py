@@ -66,7 +66,7 @@ def provisional_first(p) -> bool:
     off (H100; likely because Triton then cannot prove the rows 16-element aligned and does not
     vectorize their loads). 16-bit past ``SMALL_M_MAX`` rows: the library won most shapes there once
     tuned, and trails the winner by little where it lost, while the nearest measured shape's family
-    was often far off (docs/kernels.md, "Provisional choices past 64 rows")."""
+    was often far off (docs/kernels.md, "Provisional choices")."""
     if p.dtype in _HALF:
         return p.M > SMALL_M_MAX
     return p.dtype == torch.float32 and p.K % 16 != 0 and p.M > _FP32_GEMV_MAX_M
