@@ -10,9 +10,10 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
 rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
 "torch_graph_device_us", "fusedserve_device_us", "fusedserve_replay_us", "torch_graph_replay_us",
-"fusedserve_peer_style_us", "graph", "path", "choices", "kernels", "mismatch"?}] (replay: a replay's
-wall time with its synchronize, no copies; peer_style: our replay inside the peer's own call, to
-tell the runner's host work from what its graph costs),
+"fusedserve_peer_style_us", "host_path_extra_us", "graph", "path", "choices", "kernels", "mismatch"?}]
+(replay: a replay's wall time with its synchronize, no copies; peer_style: our replay inside the
+peer's own call sequence, alternated with ``run``; host_path_extra: ``run`` minus that, the cost of
+the runner's host work in the same pass),
 "summary", "method", "complete", "skipped"; rewritten after every row. Prints the targets of issue 23
 (ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where launch-bound).
 
@@ -223,7 +224,8 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         # One replay and its synchronize alone, alternated: the rest of a call is host work and copies.
         ours_replay_us, torch_replay_us = alternate(synchronized(functools.partial(runner.compute, bucket)),
                                                     synchronized(peer.graph.replay), None, calls // 4)
-        peer_style_us, _ = alternate(RunnerAsPeer(runner, batch), peer, x, calls // 4)
+        # The runner's host path against the peer's call sequence around the same graph, alternated.
+        run_again_us, peer_style_us = alternate(runner.run, RunnerAsPeer(runner, batch), x, calls // 4)
         row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch,
                    fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
                    ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(peer_device_us, 2),
@@ -231,6 +233,7 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
                    fusedserve_device_us=round(device_us(functools.partial(runner.compute, bucket)), 2), bucket=bucket,
                    fusedserve_replay_us=round(ours_replay_us, 2), torch_graph_replay_us=round(torch_replay_us, 2),
                    fusedserve_peer_style_us=round(peer_style_us, 2),
+                   host_path_extra_us=round(run_again_us - peer_style_us, 2),
                    graph=runner.graphed(bucket), path=runner.path(bucket),
                    choices=runner.choice_states.get(bucket), kernels=layer_kernels(runner, bucket))
         if not err <= CHECK_RTOL[dtype]:
@@ -239,7 +242,7 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         log(f"  {spec[0]:22s} batch {batch:4d}: fusedserve {ours_us:8.1f} us, torch graph {torch_us:8.1f} us "
             f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {peer_device_us:.1f} us, "
             f"replay+sync {ours_replay_us:.1f} vs {torch_replay_us:.1f} us, "
-            f"ours called as the peer {peer_style_us:.1f} us"
+            f"ours called as the peer {peer_style_us:.1f} us (run() {run_again_us - peer_style_us:+.1f} us)"
             f"{'' if row['graph'] else ', EAGER'}{' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
         log(f"    {' | '.join(row['kernels'])}")
         del peer
