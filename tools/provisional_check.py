@@ -54,10 +54,11 @@ def check(run: dict, entries: tuple, capability=HOPPER) -> list[dict]:
         problem = Problem(M, N, K, getattr(torch, dtype), capability, N % 8 == 0 and K % 8 == 0)
         kernel, config, source = provisional.provisional_choice(problem, registry.offered(problem), entries, True)
         tuned_us = rows[SERVED]["median_us"]
-        estimate = (1.0 if _same_family(kernel, config, rows[SERVED])
-                    else rows[PEER]["median_us"] / tuned_us if kernel == VENDOR and PEER in rows else None)
+        same = _same_family(kernel, config, rows[SERVED])
+        estimate = (1.0 if same else rows[PEER]["median_us"] / tuned_us if kernel == VENDOR and PEER in rows
+                    else None)
         found.append(dict(M=M, N=N, K=K, dtype=dtype, tuned=rows[SERVED]["kernel"], choice=kernel, source=source,
-                          estimate=estimate and round(estimate, 3),
+                          same_family=same, estimate=estimate and round(estimate, 3),
                           measured_then=round(rows[PROVISIONAL]["median_us"] / tuned_us, 3)))
     return found
 
@@ -66,7 +67,7 @@ def summary(rows: list[dict]) -> str:
     known = [r["estimate"] for r in rows if r["estimate"] is not None]
     then = [r["measured_then"] for r in rows]
     return (f"{len(rows)} shapes; today's choice is the tuned family on "
-            f"{sum(r['estimate'] == 1.0 for r in rows)}, estimated over 1.05x the tuned time on "
+            f"{sum(r['same_family'] for r in rows)}, estimated over 1.05x the tuned time on "
             f"{sum(e > 1.05 for e in known)} (worst {max(known, default=1.0)}x), unknown on {len(rows) - len(known)}; "
             f"as measured in the runs: over 1.05x on {sum(t > 1.05 for t in then)}, "
             f"median {round(statistics.median(then), 3) if then else None}x, worst {max(then, default=None)}x")

@@ -421,7 +421,7 @@ def _provisional_first(p) -> bool:
     """One 16-bit row: the GEMV won every tuned shape with static weights (H100 5 of 5, H200 27 of
     27) while the table's nearest shape sometimes named the Gluon kernel, 1.35-1.55x slower there
     (docs/kernels.md, "Provisional choices")."""
-    return p.M == 1 and p.dtype in (torch.bfloat16, torch.float16)
+    return p.M == 1 and p.half
 
 
 FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=_offered,

@@ -21,7 +21,6 @@ NAME = "torch_cublas"
 CANDIDATES = ({"op": "addmm_act"}, {"op": "linear"})
 # At this many float32 rows and fewer our GEMV kept up with the library, K off 16 or not.
 _FP32_GEMV_MAX_M = 8
-_HALF = (torch.bfloat16, torch.float16)
 _DESCRIPTIONS = {
     "addmm_act": "cuBLASLt, bias and relu/gelu in its epilogue",
     "linear": "cuBLASLt addmm, then the activation",
@@ -67,7 +66,7 @@ def provisional_first(p) -> bool:
     vectorize their loads). 16-bit past ``SMALL_M_MAX`` rows: the library won most shapes there once
     tuned, and trails the winner by little where it lost, while the nearest measured shape's family
     was often far off (docs/kernels.md, "Provisional choices")."""
-    if p.dtype in _HALF:
+    if p.half:
         return p.M > SMALL_M_MAX
     return p.dtype == torch.float32 and p.K % 16 != 0 and p.M > _FP32_GEMV_MAX_M
 

@@ -28,7 +28,8 @@ def test_a_held_out_run_is_checked_against_a_table_of_the_others():
     entries = table_without([seen, held], held)
     assert [e.kernel for e in entries] == ["gluon_small_m"], "the held-out run is not in its own table"
     found = {r["M"]: r for r in check(held, entries)}
-    assert (found[1]["choice"], found[1]["estimate"]) == ("triton_small_m", 1.0)
+    assert (found[1]["choice"], found[1]["estimate"], found[1]["same_family"]) == ("triton_small_m", 1.0, True)
+    assert not found[200]["same_family"]
     assert (found[200]["choice"], found[200]["estimate"], found[200]["measured_then"]) == ("torch_cublas", 1.1, 3.0)
     assert (found[16]["choice"], found[16]["estimate"]) == ("gluon_small_m", None)
     text = summary(list(found.values()))
