@@ -51,7 +51,7 @@ from bench.kernel_random import (  # noqa: E402
     provisional_linear,
     provisional_summary,
 )
-from fusedserve.kernels import KERNELS, fused_linear, kernel_choice, run_kernel, tune_cache  # noqa: E402  (sys.path)
+from fusedserve.kernels import KERNELS, choosing, fused_linear, kernel_choice, run_kernel, tune_cache  # noqa: E402  (sys.path)
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.precision import dot_precision  # noqa: E402
 from fusedserve.kernels.provisional import choosing_mode  # noqa: E402
@@ -78,6 +78,9 @@ MAX_CALLS = 64
 CHECK_RTOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 BASELINES = ("torch_unfused", "cublaslt_fused")
 OURS = ("fusedserve", "fusedserve_static_weight")
+# Beside a full search's rows, a random run times what a server's near search picks (static weights,
+# its own tune cache): the same shapes, near against full.
+NEAR = "fusedserve_near"
 
 
 def log(*args):
@@ -177,6 +180,30 @@ def first_call_seconds(fn, args) -> dict:
     return seconds
 
 
+@contextlib.contextmanager
+def near_search(directory):
+    """Within the block fusedserve tunes with a near search (``kernels.choosing.SEARCH_ENV``) into the
+    tune cache in ``directory``, so its picks and the full search's stay apart."""
+    saved = {name: os.environ.get(name) for name in (tune_cache.ENV_VAR, choosing.SEARCH_ENV)}
+    os.environ.update({tune_cache.ENV_VAR: str(directory), choosing.SEARCH_ENV: "near"})
+    tune_cache.device_cache.cache_clear()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+        tune_cache.device_cache.cache_clear()
+
+
+def near_tune_seconds(fn, args) -> dict:
+    """Seconds of the near search's tuning call on a new shape (inside ``near_search``)."""
+    start = time.perf_counter()
+    with choosing_mode("tune"):
+        fn(*args)
+    torch.cuda.synchronize()
+    return {"tune_s": round(time.perf_counter() - start, 3)}
+
+
 def warm_and_time(fn, sets, M, N, K, dtype, repeats):
     """Median microseconds per call of one impl timed alone."""
     return time_graphs({"impl": capture(fn, sets, M, N, K, dtype)}, repeats)["impl"]
@@ -194,10 +221,13 @@ def row(M, N, K, dtype, impl, us, **extra):
                 tflops=round(2 * M * N * K / us / 1e6, 2), tbps=round(moved / us / 1e6, 3), **extra)
 
 
-def impls_for(M, N, K, dtype, compiled, forced):
-    """The impls to time at this shape: the fixed ones, torch.compile where chosen, and (with
-    ``forced``) each fusedserve kernel on its own, where it can run and is worth the time."""
+def impls_for(M, N, K, dtype, compiled, forced, near=False):
+    """The impls to time at this shape: the fixed ones, ``NEAR`` with ``near``, torch.compile where
+    chosen, and (with ``forced``) each fusedserve kernel on its own, where it can run and is worth
+    the time."""
     impls = fixed_impls()
+    if near:
+        impls[NEAR] = impls["fusedserve_static_weight"]
     if compiled is not None:
         impls["torch_compile"] = compiled
     if forced:
@@ -211,17 +241,21 @@ def impls_for(M, N, K, dtype, compiled, forced):
     return impls
 
 
-def bench_shape(M, N, K, dtype, impls, repeats):
-    """Check and capture every impl, then time them all in interleaved rounds (``time_graphs``)."""
+def bench_shape(M, N, K, dtype, impls, repeats, near_cache=None):
+    """Check and capture every impl, then time them all in interleaved rounds (``time_graphs``);
+    ``NEAR`` tunes into the tune cache in ``near_cache``."""
     rows, graphs, errors = [], {}, {}
     sets = make_sets(M, N, K, dtype)
     first_calls = {}
     for impl, fn in impls.items():
         try:
-            if impl in OURS:  # a user's first call (a short list), then the full search, each timed
-                first_calls[impl] = first_call_seconds(fn, sets[0])
-            errors[impl] = check(fn, *sets[0])
-            graphs[impl] = capture(fn, sets, M, N, K, dtype)
+            with near_search(near_cache) if impl == NEAR else contextlib.nullcontext():
+                if impl in OURS:  # a user's first call (a short list), then the full search, each timed
+                    first_calls[impl] = first_call_seconds(fn, sets[0])
+                elif impl == NEAR:
+                    first_calls[impl] = near_tune_seconds(fn, sets[0])
+                errors[impl] = check(fn, *sets[0])
+                graphs[impl] = capture(fn, sets, M, N, K, dtype)
         except ValueError as e:
             if impl.startswith("fusedserve_") and str(e).startswith("name "):
                 continue  # run_kernel: that kernel cannot run this shape (e.g. no Gluon off Hopper)
@@ -232,10 +266,11 @@ def bench_shape(M, N, K, dtype, impls, repeats):
             rows.append(dict(M=M, N=N, K=K, dtype=str(dtype).removeprefix("torch."), impl=impl, error=str(e)[:500]))
     for impl, us in time_graphs(graphs, repeats).items():
         extra = dict(max_rel_err=float(f"{errors[impl]:.3g}"))
-        if impl in OURS:
+        if impl in OURS or impl == NEAR:
             extra.update(first_calls.get(impl, {}))
-            extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda",
-                                                             static_weight=impl == "fusedserve_static_weight")
+            with near_search(near_cache) if impl == NEAR else contextlib.nullcontext():
+                extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda",
+                                                                 static_weight=impl != "fusedserve")
         elif impl == "fusedserve_provisional":
             extra["kernel"], extra["config"] = describe_provisional(*sets[0][:2])
         if dtype == torch.float32 and impl.startswith("fusedserve"):
@@ -478,6 +513,9 @@ def parse_args(argv=None):
     parser.add_argument("--precompile", action="store_true",
                         help="compile every shape's tuning candidates first, in parallel processes without the "
                              "GPU (models.aot): more shapes in a budget; first_call_s then finds Triton's cache warm")
+    parser.add_argument("--search", choices=choosing.SEARCHES, default="full",
+                        help="how widely fusedserve's tuning searches (kernels.choosing.SEARCH_ENV): full, every "
+                             "candidate, as the provisional tables are built from; near, as a server tunes")
     parser.add_argument("--merge", nargs="+", metavar="RUN",
                         help="no GPU needed: these runs (FILE.jsonl:LINE, oldest first; see merge_runs) merged, "
                              "one alone as it is: print the table, the targets and the summaries, draw --plot; "
@@ -508,6 +546,8 @@ def main(argv=None):
     repeats = 7 if args.quick else 15
     # Read when fusedserve first tunes, which is after this line.
     os.environ[tune_cache.ENV_VAR] = str(args.tune_cache or tempfile.mkdtemp(prefix="fusedserve-tune-"))
+    os.environ[choosing.SEARCH_ENV] = args.search  # here and in the precompile's processes
+    near_cache = tempfile.mkdtemp(prefix="fusedserve-tune-near-")
     t0 = time.perf_counter()
 
     copy_tbps, peak = copy_bandwidth_tbps(), matmul_peak_tflops()
@@ -520,7 +560,7 @@ def main(argv=None):
     run = runs.Run("kernels", args.out, gpu=gpu, quick=args.quick, seed=args.seed if args.random else None,
                    note=args.note, torch=torch.__version__, triton=triton.__version__, copy_tbps=round(copy_tbps, 3),
                    matmul_tflops=round(peak, 1), random=dict(n=args.random, seed=args.seed) if args.random else None,
-                   precompiled=args.precompile or None)
+                   precompiled=args.precompile or None, search=args.search)
     if args.precompile:
         start = time.perf_counter()
         launches = aot.compile_layer_candidates(aot.local_target("cuda"), shapes)
@@ -532,8 +572,8 @@ def main(argv=None):
             break
         forced = dtype != torch.float32 and not args.random and (not args.quick or (N, K) == (4096, 4096))
         compiled = None if args.no_compile else compile_cache.get(M, N, K, dtype)
-        impls = impls_for(M, N, K, dtype, compiled, forced)
-        new = bench_shape(M, N, K, dtype, impls, repeats)
+        impls = impls_for(M, N, K, dtype, compiled, forced, near=bool(args.random) and args.search == "full")
+        new = bench_shape(M, N, K, dtype, impls, repeats, near_cache)
         rows += new
         cells = ", ".join(f"{r['impl']} {r['median_us']:.1f}" for r in new if "median_us" in r)
         log(f"[{i}/{len(shapes)} {time.perf_counter() - t0:5.0f}s] M={M} N={N} K={K} "
@@ -556,7 +596,9 @@ def summaries(rows):
     """Issue 23's comparisons of a run's rows (None where it has no such rows)."""
     return {"ours_vs_better_peer": peer_summary(rows, "fusedserve_static_weight"),
             "ours_unmarked_vs_better_peer": peer_summary(rows, "fusedserve"),
-            "provisional_vs_tuned": provisional_summary(rows)}
+            "provisional_vs_tuned": provisional_summary(rows),
+            "near_vs_better_peer": peer_summary(rows, NEAR),
+            "near_vs_full": provisional_summary(rows, provisional_impl=NEAR)}
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import runs  # noqa: E402
-from fusedserve.kernels import tune_cache  # noqa: E402
+from fusedserve.kernels import choosing, tune_cache  # noqa: E402
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.rules import bucket as bucket_of  # noqa: E402
 from fusedserve.models import DEFAULT_REPOSITORY, MLP, MLPConfig, ModelRunner, load_model  # noqa: E402
@@ -289,7 +289,8 @@ def run(out: Path, quick: bool, budget_s: float, note: str | None = None, png: P
     gpu = torch.cuda.get_device_name()
     line = runs.Run("model_contract", out, gpu=gpu, quick=quick, note=note, torch=torch.__version__,
                     triton=__import__("triton").__version__, method=METHOD, seed=seed if random_n else None,
-                    random=dict(n=random_n, seed=seed) if random_n else None, at_ready=at_ready)
+                    random=dict(n=random_n, seed=seed) if random_n else None, at_ready=at_ready,
+                    search=None if at_ready else choosing.search())
     plan = random_models(random_n, seed) if random_n else [(spec, QUICK_BATCHES if quick else BATCHES)
                                                             for spec in MODELS]
     rows, skipped = [], []

@@ -109,19 +109,24 @@ def measure_ahead(sizes, dtype, max_batch_size, log) -> list[dict]:
 
 
 def main(argv=None):
+    from fusedserve.kernels import choosing
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     runs.arguments(parser)
     parser.add_argument("--models", nargs="+", type=parse_model, default=[parse_model(m) for m in DEFAULT_MODELS])
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--ahead", action="store_true",
                         help="the background tuner's way: candidates compiled ahead in parallel, then timed")
+    parser.add_argument("--search", choices=choosing.SEARCHES, default=choosing.SEARCHES[0],
+                        help="how widely tuning searches (kernels.choosing.SEARCH_ENV; default a server's)")
     args = parser.parse_args(argv)
+    os.environ[choosing.SEARCH_ENV] = args.search  # here and in the compile processes
     if not torch.cuda.is_available():
         raise SystemExit("bench/tuning.py needs a CUDA GPU")
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-cache-"))
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     run = runs.Run("tuning", args.out, gpu=torch.cuda.get_device_name(), note=args.note, torch=torch.__version__,
-                   mode="ahead" if args.ahead else "in_process",
+                   mode="ahead" if args.ahead else "in_process", search=args.search,
                    max_batch_size=args.max_batch_size, triton_cache="fresh" if "triton-cache-" in
                    os.environ["TRITON_CACHE_DIR"] else "given")
     rows = []

@@ -1,12 +1,14 @@
 """Which kernel family and config runs one layer, and running it.
 
 The families a problem is offered to (``registry.offered``) compete once per batch bucket on each
-GPU model: the first call in a new bucket times every family's candidate configs at the bucket's
-largest batch, on rotating copies of its arguments (``tuning.time_configs``), and the tune cache
-keeps the winner. A first call outside any tuning (``kernels.provisional.mode()`` None: a user's
-direct call) times a short list instead, the provisional choice and the vendor's GEMM, so it answers
-in well under a second, and keeps the winner as a "quick" entry that a tuning call (``tune``, the
-model runner's tuner: mode "tune") replaces with the full search. Under the interpreter the first
+GPU model: a tuning call (``tune``, the model runner's tuner: mode "tune") times candidate configs at
+the bucket's largest batch, on rotating copies of its arguments (``tuning.time_configs``), and the
+tune cache keeps the winner. Which candidates: by default a near search (``SEARCH_ENV``), the
+provisional choice, the vendor's GEMM and what won at the GPU's nearest measured shapes; with
+"full", every family's every config. A first call outside any tuning (``kernels.provisional.mode()``
+None: a user's direct call) times a short list instead, the provisional choice and the vendor's
+GEMM, so it answers in well under a second, and keeps the winner as a "quick" entry that a tuning
+call replaces. Under the interpreter the first
 offered family runs its fixed config. Where
 nothing may be timed (a CUDA-graph capture, which timing would break, or a thread in
 ``provisional`` mode: the model runner's start-up) an untuned bucket runs its provisional choice
@@ -15,6 +17,7 @@ outside a tuning thread keep it until the bucket is tuned.
 """
 
 import itertools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,7 +41,7 @@ class Choice:
     kernel: str  # the family's name
     config: dict | None  # None: not known before tuning
     tuned: bool  # the tuner's pick here (False: the default before tuning, or the interpreter's)
-    source: str = "tuned"  # "tuned", or before tuning "table", "rules" or "default"
+    source: str = "tuned"  # "tuned" (full search), "near", "quick", or before tuning "table", "rules", "default"
 
     def describe(self) -> str:
         """The config as kernel stats show it ("" when not known yet)."""
@@ -71,20 +74,43 @@ def _tune_key(families, problem: Problem, static_weight: bool) -> str:
             + ("|static_weight" if static_weight else ""))
 
 
+# How widely a tuning call (mode "tune") searches, in this process and those it starts: "near" (the
+# default) times the provisional choice, the vendor's GEMM and what won at the shipped table's
+# nearest measured shapes (``provisional.near_candidates``); "full" every candidate of every family,
+# as the tables are built. Where the GPU has no table entry of the dtype, near is full.
+SEARCH_ENV = "FUSEDSERVE_TUNING_SEARCH"
+SEARCHES = ("near", "full")
+# Tune-cache entries mark a narrower search than full: the short list (see the module docstring),
+# or a near search. A tuning call redoes an entry narrower than its own search.
+QUICK, NEAR = "quick", "near"
+_BREADTH = {QUICK: 0, NEAR: 1, "tuned": 2}
+
+
+def search() -> str:
+    """This process's tuning search, ``$FUSEDSERVE_TUNING_SEARCH`` (see ``SEARCHES``)."""
+    value = os.environ.get(SEARCH_ENV) or SEARCHES[0]
+    if value not in SEARCHES:
+        raise ValueError(f"{SEARCH_ENV} must be one of {', '.join(SEARCHES)}, got {value!r}")
+    return value
+
+
+def _settled(choice: Choice) -> bool:
+    """Whether ``choice`` came from a search at least as wide as this process's tuning asks for."""
+    return _BREADTH.get(choice.source, -1) >= _BREADTH["tuned" if search() == "full" else NEAR]
+
+
 def _entry_choice(entry: dict | None) -> Choice | None:
     if entry is None:
         return None
-    return Choice(entry["kernel"], entry["config"], tuned=True, source="quick" if entry.get(QUICK) else "tuned")
-
-
-# Marks a tune-cache entry that timed only the short list (see the module docstring).
-QUICK = "quick"
+    source = QUICK if entry.get(QUICK) else NEAR if entry.get(NEAR) else "tuned"
+    return Choice(entry["kernel"], entry["config"], tuned=True, source=source)
 
 
 def cached(problem: Problem, device, static_weight=False) -> Choice | None:
-    """The fully tuned choice for this problem's bucket on ``device``'s GPU model, or None."""
+    """The tuned choice for this problem's bucket on ``device``'s GPU model, from a search as wide
+    as ``search()`` asks for, or None."""
     choice = current(problem, device, static_weight)
-    return choice if choice.source == "tuned" else None
+    return choice if _settled(choice) else None
 
 
 def current(problem: Problem, device, static_weight=False) -> Choice:
@@ -135,19 +161,23 @@ def choose(problem: Problem, x2d, weight, bias, activation, static_weight=False,
     cache = device_cache(cuda_name(x2d.device))
     found, mode = _entry_choice(cache.get(key)), provisional.mode()
     capturing = torch.cuda.is_current_stream_capturing()
-    if found is not None and (found.source != "quick" or mode != "tune" or capturing):
+    if found is not None and (mode != "tune" or capturing or _settled(found)):
         return found
     if mode == "provisional" or (mode is None and (cuda_name(x2d.device), key) in _provisional) or capturing:
         return provisional_choice(problem, x2d.device, static_weight, families)
-    every = _every_candidate(families, problem)
-    pairs = every if mode == "tune" else _short_list(families, problem, x2d.device, static_weight)
+    if mode == "tune":
+        table = provisional.table(cuda_name(x2d.device)) if search() == NEAR else ()
+        pairs, narrow = search_list(problem, families, table, static_weight)
+    else:
+        pairs = _short_list(families, problem, x2d.device, static_weight)
+        narrow = QUICK if len(pairs) < len(every_candidate(families, problem)) else None
     kernel, config = _tune(pairs, x2d, weight, bias, activation, static_weight)
-    quick = len(pairs) < len(every)
-    cache.put(key, {"kernel": kernel, "config": config, **({QUICK: True} if quick else {})})
-    return Choice(kernel, config, tuned=True, source="quick" if quick else "tuned")
+    cache.put(key, {"kernel": kernel, "config": config, **({narrow: True} if narrow else {})})
+    return Choice(kernel, config, tuned=True, source=narrow or "tuned")
 
 
-def _every_candidate(families, problem) -> list[tuple[str, dict]]:
+def every_candidate(families, problem) -> list[tuple[str, dict]]:
+    """``(family name, config)`` of every candidate of ``families`` for ``problem`` (a full search)."""
     timed = replace(problem, M=tuning_rows(problem.M))
     return [(f.name, config) for f in families for config in f.candidates(timed)]
 
@@ -157,8 +187,24 @@ def _short_list(families, problem, device, static_weight) -> list[tuple[str, dic
     compile, so a first call is quick (the vendor's GEMM needs no compiling)."""
     provisional_pick = provisional_choice(problem, device, static_weight, families)
     first = (provisional_pick.kernel, provisional_pick.config)
-    vendor = _every_candidate([f for f in families if f.name == VENDOR], problem)
+    vendor = every_candidate([f for f in families if f.name == VENDOR], problem)
     return [first] + [pair for pair in vendor if pair != first]
+
+
+def search_list(problem: Problem, families, entries, static_weight=False) -> tuple[list[tuple[str, dict]], str | None]:
+    """What a tuning call times, and how its tune-cache entry is marked: with the table ``entries``
+    a near search (see ``SEARCH_ENV``; marked ``NEAR``), the provisional choice, the vendor's GEMM,
+    then what won at the nearest measured shapes; every candidate (no mark) where that is no shorter
+    or the table has no usable entry of the problem's dtype (pass no entries for a full search)."""
+    every = every_candidate(families, problem)
+    near = provisional.near_candidates(problem, families, entries, static_weight)
+    if not near:
+        return every, None
+    kernel, config, _ = provisional.provisional_choice(problem, families, entries, static_weight)
+    vendor = every_candidate([f for f in families if f.name == VENDOR], problem)
+    pairs = [(kernel, config)] + [pair for pair in vendor if pair != (kernel, config)]
+    pairs += [pair for pair in near if pair not in pairs]
+    return (pairs, NEAR) if len(pairs) < len(every) else (every, None)
 
 
 def _tune(pairs, x2d, weight, bias, activation, static_weight):

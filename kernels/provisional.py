@@ -38,6 +38,9 @@ TABLES = Path(__file__).resolve().parent / "tables"
 # Distance between shapes: a factor of two in the batch bucket counts twice one in N or K (the
 # families change with M), a different static_weight flag less than any change of shape.
 _M_WEIGHT, _STATIC_WEIGHT = 2.0, 0.01
+# A near search (``choosing.search``) times what won at this many nearest measured shapes, besides
+# the vendor and the provisional choice (docs/kernels.md: how often that holds the full search's winner).
+NEAR_ENTRIES = 6
 
 _mode = contextvars.ContextVar("fusedserve_choice_mode", default=None)
 
@@ -108,12 +111,17 @@ def closest_config(candidates: list[dict], wanted: dict) -> dict:
     return dict(max(candidates, key=lambda c: sum(c.get(k) == v for k, v in wanted.items())))
 
 
+def _ranked(problem: Problem, entries, static_weight: bool) -> list[Entry]:
+    """The entries of ``problem``'s dtype, nearest first."""
+    dtype = str(problem.dtype).removeprefix("torch.")
+    return sorted((e for e in entries if e.dtype == dtype), key=lambda e: distance(e, problem, static_weight))
+
+
 def provisional_choice(problem: Problem, families, entries, static_weight: bool = False) -> tuple[str, dict, str]:
     """``(family name, config, source)`` for ``problem`` among ``families`` (the offered ones, the
     default first), without timing; source is ``"table"`` or ``"rules"``."""
     timed = replace(problem, M=tuning_rows(problem.M))
-    dtype = str(problem.dtype).removeprefix("torch.")
-    ranked = sorted((e for e in entries if e.dtype == dtype), key=lambda e: distance(e, problem, static_weight))
+    ranked = _ranked(problem, entries, static_weight)
     for family in families:
         candidates = family.candidates(timed) if family.provisional_first(timed) else None
         if candidates:
@@ -135,3 +143,24 @@ def _nearest_config(name: str, candidates: list[dict], ranked) -> dict:
     else its first candidate."""
     entry = next((e for e in ranked if e.kernel == name), None)
     return dict(candidates[0]) if entry is None else closest_config(candidates, entry.config)
+
+
+def near_candidates(problem: Problem, families, entries, static_weight: bool = False,
+                    count: int = NEAR_ENTRIES) -> list[tuple[str, dict]]:
+    """``(family name, config)`` of what won at the ``count`` measured shapes nearest ``problem``
+    whose family is among ``families`` (each family's candidate closest to the measured config),
+    nearest first, without repeats; empty where the table has no such shape of its dtype."""
+    timed = replace(problem, M=tuning_rows(problem.M))
+    by_name = {f.name: f for f in families}
+    pairs, used = [], 0
+    for entry in _ranked(problem, entries, static_weight):
+        candidates = by_name[entry.kernel].candidates(timed) if entry.kernel in by_name else None
+        if not candidates:
+            continue
+        pair = (entry.kernel, closest_config(candidates, entry.config))
+        if pair not in pairs:
+            pairs.append(pair)
+        used += 1
+        if used == count:
+            break
+    return pairs

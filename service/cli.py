@@ -73,6 +73,8 @@ _FLAGS = {
                                       "OTEL_EXPORTER_OTLP_ENDPOINT (default off; needs fusedserve[otel])"),
     "--background-tuning": ("background_tuning", _on_off,
                             "on/off: tune provisional kernel choices after ready (default on)"),
+    "--tuning-search": ("tuning_search", str, "near: time the kernels that won at the GPU's nearest measured "
+                                              "shapes and the vendor's GEMM; full: every candidate (default near)"),
     "--parallel-compile": ("parallel_compile", _on_off,
                            "on/off: compile a cold start's kernels in worker processes (default on)"),
     "--engine-heartbeat-timeout-s": ("engine_heartbeat_timeout_s", float,

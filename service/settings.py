@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -136,6 +137,9 @@ class Settings(BaseSettings):
     # After ready, tune the buckets warmed on provisional kernel choices on a background thread and
     # swap each result in between batches (models.background); off: they keep the provisional ones.
     background_tuning: bool = True
+    # How widely tuning searches (kernels.choosing.SEARCH_ENV): "near", the candidates that won at the
+    # GPU's nearest measured shapes beside the vendor's GEMM; "full", every candidate (~5x longer).
+    tuning_search: Literal["near", "full"] = "near"
     # Where warm-up finds Triton's cache cold, compile the provisional kernels of the remaining
     # buckets in worker processes at once (models.precompile); off: one after another in-process.
     parallel_compile: bool = True

@@ -18,10 +18,12 @@
 #   while tuning vs after). start-up-load: the same under $LOAD_CLIENTS (256) connections per model in
 #   windows, h2load from .tools/ (carry it) beside the project's generator, while tuning and after.
 # tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS;
-#   TUNING_AHEAD=1: the background tuner's way, candidates compiled ahead in parallel).
+#   TUNING_AHEAD=1: the background tuner's way, candidates compiled ahead in parallel; TUNING_SEARCH
+#   near (default) or full).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
 #   RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16; RANDOM_PRECOMPILE=1 compiles
-#   every shape's candidates first in parallel, so more shapes fit the budget).
+#   every shape's candidates first in parallel, so more shapes fit the budget; RANDOM_SEARCH=near tunes
+#   as a server does, default full).
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
 #   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning).
 # onnx-peer: bench/onnx_peer.py (imported ONNX models vs onnxruntime on the same file; ONNX_DTYPE; needs
@@ -221,9 +223,11 @@ for s in "${stages[@]}"; do
         start-up-load) stage start-up-load 590 python3 bench/startup.py --tuning --ready-timeout-s 120 \
             --tuning-timeout-s "${LOAD_TUNING_S:-300}" --clients "${LOAD_CLIENTS:-256}" --h2load .tools --out "$out" ;;
         tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} ${TUNING_AHEAD:+--ahead} \
+            ${TUNING_SEARCH:+--search $TUNING_SEARCH} \
             --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
             --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} ${RANDOM_PRECOMPILE:+--precompile} "${kernels_out[@]}" \
+            ${RANDOM_SEARCH:+--search $RANDOM_SEARCH} \
             --plot "$out/kernels-random_$gpu.png" ;;
         model-contract-random) stage model-contract-random "${CONTRACT_LIMIT_S:-590}" python3 bench/model_contract.py \
             --random "${CONTRACT_RANDOM:-6}" --seed "${CONTRACT_SEED:-1}" ${CONTRACT_AT_READY:+--at-ready} ${CONTRACT_QUICK:+--quick} \

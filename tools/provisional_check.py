@@ -20,10 +20,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from bench import runs as stored  # noqa: E402
-from fusedserve.kernels import provisional, registry  # noqa: E402
+from fusedserve.kernels import choosing, provisional, registry  # noqa: E402
 from fusedserve.kernels.rules import Problem  # noqa: E402
 from fusedserve.kernels.vendor.cublas import NAME as VENDOR  # noqa: E402
-from tools.provisional_table import stored_runs, winners  # noqa: E402
+from tools.provisional_table import parse_config, stored_runs, winners  # noqa: E402
 
 SERVED, PROVISIONAL, PEER = "fusedserve_static_weight", "fusedserve_provisional", "cublaslt_fused"
 HOPPER = (9, 0)
@@ -59,8 +59,20 @@ def check(run: dict, entries: tuple, capability=HOPPER) -> list[dict]:
                     else None)
         found.append(dict(M=M, N=N, K=K, dtype=dtype, tuned=rows[SERVED]["kernel"], choice=kernel, source=source,
                           same_family=same, estimate=estimate and round(estimate, 3),
-                          measured_then=round(rows[PROVISIONAL]["median_us"] / tuned_us, 3)))
+                          measured_then=round(rows[PROVISIONAL]["median_us"] / tuned_us, 3),
+                          **_near_search(problem, entries, rows[SERVED])))
     return found
+
+
+def _near_search(problem: Problem, entries: tuple, tuned: dict) -> dict:
+    """How many candidates a near search would time against a full one, and whether the full search's
+    winner is among them (the vendor's by family: its config is a note, not a candidate's)."""
+    families = registry.offered(problem)
+    near, _ = choosing.search_list(problem, families, entries, True)
+    winner = (tuned["kernel"], parse_config(tuned.get("config") or ""))
+    held = any(kernel == VENDOR for kernel, _ in near) if winner[0] == VENDOR else winner in near
+    return dict(near_candidates=len(near), full_candidates=len(choosing.every_candidate(families, problem)),
+                near_holds_winner=held)
 
 
 def summary(rows: list[dict]) -> str:
@@ -70,7 +82,10 @@ def summary(rows: list[dict]) -> str:
             f"{sum(r['same_family'] for r in rows)}, estimated over 1.05x the tuned time on "
             f"{sum(e > 1.05 for e in known)} (worst {max(known, default=1.0)}x), unknown on {len(rows) - len(known)}; "
             f"as measured in the runs: over 1.05x on {sum(t > 1.05 for t in then)}, "
-            f"median {round(statistics.median(then), 3) if then else None}x, worst {max(then, default=None)}x")
+            f"median {round(statistics.median(then), 3) if then else None}x, worst {max(then, default=None)}x; "
+            f"a near search would time {sum(r['near_candidates'] for r in rows)} candidates (full: "
+            f"{sum(r['full_candidates'] for r in rows)}) and hold the full search's winner on "
+            f"{sum(r['near_holds_winner'] for r in rows)}")
 
 
 def main(argv=None) -> None:

@@ -50,8 +50,9 @@ def winners(runs) -> dict:
     """``{(gpu, triton): {(dtype, M bucket, N, K, static): (date, kernel, config)}}``, the newest run
     winning where several measured the same key. Where some run of a GPU had the vendor's family
     win somewhere, its runs in which it never won were (most likely) made before it competed: their
-    winners past ``SMALL_M_MAX`` rows, where the vendor mostly wins, are left out."""
-    runs = list(runs)
+    winners past ``SMALL_M_MAX`` rows, where the vendor mostly wins, are left out. Runs whose tuner
+    searched near the table (``bench/kernels.py --search near``) only echo it: left out."""
+    runs = [run for run in runs if run.get("search", "full") == "full"]
     with_vendor = {(run["gpu"], run["triton"]) for run in runs if _vendor_won(run)}
     tables = {}
     for run in runs:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import time
 
 from fusedserve.service.engine.model_control import load_runner, reason, start_batcher
@@ -21,7 +22,9 @@ def _load_runners(settings: Settings, failed: dict[str, str]) -> list:
     """``(runner, ModelInfo)`` per model; with ``exit_on_error`` off, a model that fails to load is
     left out and ``failed`` says why, else its error stops start-up."""
     from fusedserve import models
+    from fusedserve.kernels.choosing import SEARCH_ENV
 
+    os.environ[SEARCH_ENV] = settings.tuning_search  # for this process's tuning and the workers it starts
     loaded = []
     for directory in models.model_directories(settings.model_repository):
         try:

@@ -136,3 +136,50 @@ def test_choosing_mode_rejects_unknown_modes():
     with pytest.raises(ValueError, match="mode must be"):
         with provisional.choosing_mode("fast"):
             pass
+
+
+def test_near_candidates_take_the_nearest_winners_once_each_among_offered_families():
+    problem = hopper(200, N=3000, K=3000)
+    timed = replace(problem, M=tuning_rows(200))
+    tma = registry.family("triton_tma_persistent").candidates(timed)
+    entries = (Entry("bfloat16", 256, 3072, 3072, True, "triton_tma_persistent", tma[1]),
+               Entry("bfloat16", 256, 2048, 3072, True, "triton_tma_persistent", tma[1]),
+               Entry("bfloat16", 128, 3072, 3072, True, "torch_cublas", {"op": "addmm_act"}),
+               Entry("bfloat16", 256, 4096, 4096, True, "no_such_family", {}),
+               Entry("float16", 256, 3072, 3072, True, "triton_tma_persistent", tma[2]),
+               Entry("bfloat16", 4096, 8192, 8192, True, "triton_tma_persistent", tma[3]))
+    pairs = provisional.near_candidates(problem, registry.offered(problem), entries, True, count=3)
+    assert pairs[0] == ("triton_tma_persistent", tma[1]), "nearest first, a repeat kept once"
+    assert [kernel for kernel, _ in pairs] == ["triton_tma_persistent", "torch_cublas"], \
+        "other dtypes, unknown families and entries past the count are left out"
+    assert provisional.near_candidates(hopper(200, dtype=torch.float32), registry.offered(problem), entries) == []
+
+
+def test_a_near_search_times_a_few_candidates_and_a_full_one_redoes_it(fake_gpu, monkeypatch):
+    timed_pairs = []
+    monkeypatch.setattr(choosing, "_tune", lambda pairs, *args: timed_pairs.append(pairs) or pairs[-1])
+    problem = hopper(300)
+    x, w = torch.empty(300, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
+    every = choosing.every_candidate(registry.offered(problem), problem)
+    monkeypatch.delenv(choosing.SEARCH_ENV, raising=False)
+    with provisional.choosing_mode("tune"):
+        near = choosing.choose(problem, x, w, None, "relu", static_weight=True)
+        assert near.source == "near" and len(timed_pairs[0]) < len(every) / 2
+        assert choosing.choose(problem, x, w, None, "relu", static_weight=True) == near, "settled: not timed again"
+    provisional_pick = choosing.provisional_choice(problem, "cuda", True)
+    assert timed_pairs[0][0] == (provisional_pick.kernel, provisional_pick.config), "never slower than provisional"
+    assert {kernel for kernel, _ in timed_pairs[0]} >= {"torch_cublas"}, "the vendor always competes"
+    assert choosing.cached(problem, "cuda", static_weight=True) == near
+    monkeypatch.setenv(choosing.SEARCH_ENV, "full")
+    assert choosing.cached(problem, "cuda", static_weight=True) is None, "a full search still has to run"
+    with provisional.choosing_mode("tune"):
+        full = choosing.choose(problem, x, w, None, "relu", static_weight=True)
+    assert full.source == "tuned" and timed_pairs[1] == every
+    monkeypatch.setenv(choosing.SEARCH_ENV, "near")
+    assert choosing.cached(problem, "cuda", static_weight=True) == full, "a full search settles a near one too"
+
+
+def test_a_search_of_an_unknown_breadth_is_refused(monkeypatch):
+    monkeypatch.setenv(choosing.SEARCH_ENV, "wide")
+    with pytest.raises(ValueError, match="FUSEDSERVE_TUNING_SEARCH must be one of near, full"):
+        choosing.search()

@@ -34,3 +34,16 @@ def test_a_held_out_run_is_checked_against_a_table_of_the_others():
     assert (found[16]["choice"], found[16]["estimate"]) == ("gluon_small_m", None)
     text = summary(list(found.values()))
     assert "over 1.05x the tuned time on 1 (worst 1.1x), unknown on 1" in text, text
+
+
+def test_a_near_search_is_checked_for_the_full_searchs_winner():
+    seen = _run("2026-01-01", [dict(impl="fusedserve_static_weight", M=16, N=1024, K=1024, dtype="bfloat16",
+                                    median_us=1.0, kernel="gluon_small_m", config="BLOCK_N=64")])
+    held = _run("2026-01-02", [*_rows(200, "bfloat16", "torch_cublas", "op=addmm_act (cuBLASLt)", 10.0, 10.0, 10.0),
+                               *_rows(300, "bfloat16", "gluon_ws", "BLOCK_M=128", 10.0, 30.0, 11.0)])
+    found = {r["M"]: r for r in check(held, table_without([seen, held], held))}
+    assert found[200]["near_holds_winner"], "the vendor always competes in a near search"
+    assert not found[300]["near_holds_winner"], "a full search here, but the config is no candidate"
+    assert found[200]["near_candidates"] < found[200]["full_candidates"]
+    assert found[300]["near_candidates"] == found[300]["full_candidates"], "no entry of an offered family: full"
+    assert "hold the full search's winner on 1" in summary(list(found.values()))

@@ -40,3 +40,10 @@ def test_runs_before_the_vendor_competed_keep_only_small_batches():
     assert {key[1]: kernel for key, (_, kernel, _) in table.items()} == {8: "gluon_small_m", 1024: "torch_cublas"}
     alone = winners([old])[("G", "3.6.0")]  # no run of this GPU had the vendor: every winner counts
     assert {key[1] for key in alone} == {8, 512}
+
+
+def test_runs_that_searched_near_the_table_are_left_out():
+    full = _run("2026-01-01", [(8, "gluon_small_m", "BLOCK_N=64")])
+    near = dict(_run("2026-01-02", [(8, "triton_small_m", "BLOCK_N=32")]), search="near")
+    table = winners([full, near])[("G", "3.6.0")]
+    assert [kernel for _, kernel, _ in table.values()] == ["gluon_small_m"]
