@@ -92,10 +92,14 @@ def test_the_tuners_candidates_compile_ahead_without_a_gpu(tmp_path, h100_compil
 
 
 @pytest.mark.timeout(300)
-def test_a_layer_shapes_candidates_compile_ahead_without_a_gpu(tmp_path, h100_compiles):
-    # bench/kernels.py --precompile: every candidate kernels.tune would time, served and not.
+def test_a_layer_shapes_candidates_compile_ahead_without_a_gpu(tmp_path, h100_compiles, monkeypatch):
+    # bench/kernels.py --precompile, searching full as by default: every candidate kernels.tune would
+    # time, served and not.
     import torch
 
+    from fusedserve.kernels import choosing
+
+    monkeypatch.setenv(choosing.SEARCH_ENV, "full")
     launches = aot.compile_layer_candidates(h100_compiles, [(3, 256, 128, torch.bfloat16)], jobs=1)
     assert launches >= 2 * 8, launches  # 9 Triton and Gluon candidates at M=3, with and without prefetch
     assert len(aot.cache_entries(tmp_path / "triton")) >= 8
