@@ -8,6 +8,7 @@ without ``TRITON_INTERPRET``:
     python -m tools.sm90_triton   # from the repository root: one line per compile; exit status 1 if any failed
 """
 
+import math
 import sys
 import time
 
@@ -37,12 +38,12 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
     pdl_flags = dict(USE_PDL=pdl)
     if module is tiled:
         return [compile_sm90(tiled._tiled_linear_kernel, (x, w, b, y, M, N, K, K, K, N),
-                             {**common, **precision, **pdl_flags, **config})]
+                             {**common, **precision, **pdl_flags, "K_ALIGN": math.gcd(16, K), **config})]
     if module is small_m:
         part = MockTensor(torch.float32, [config["SPLIT_K"], M, N])
         locks = MockTensor(torch.int32, [small_m._LOCK_SLOTS])
         args = (x, w, b, y, part, locks, M, N, K, K, K, N)
-        flags = dict(HAS_BIAS=True, ACTIVATION=activation, USE_PDL=pdl, PREFETCH_W=pdl)
+        flags = dict(HAS_BIAS=True, ACTIVATION=activation, USE_PDL=pdl, PREFETCH_W=pdl, K_ALIGN=math.gcd(16, K))
         if config.get("GEMV"):
             meta = {k: v for k, v in config.items() if k not in ("GEMV", "PAIRS")}
             return [compile_sm90(small_m._gemv_kernel, args,
@@ -55,7 +56,7 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
         split = meta.pop("SPLIT_K")
         part = MockTensor(torch.float32, [split, M, N])
         return [compile_sm90(split_k._split_k_partial_kernel, (x, w, part, M, N, K, K, K, K),
-                             {**precision, "UPCAST_BF16": False, **pdl_flags, **meta}),
+                             {**precision, "UPCAST_BF16": False, **pdl_flags, "K_ALIGN": math.gcd(16, K), **meta}),
                 compile_sm90(split_k._split_k_sum_kernel, (part, b, y, M, N, N),
                              dict(SPLIT_K=split, HAS_BIAS=True, ACTIVATION=activation, BLOCK=split_k._SUM_BLOCK,
                                   num_warps=4, **pdl_flags))]

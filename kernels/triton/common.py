@@ -1,6 +1,8 @@
 """``@triton.jit`` pieces every Triton family shares: the programmatic-dependent-launch wait, the
 grouped tile order and the tensor-core step."""
 
+import math
+
 import triton
 import triton.language as tl
 
@@ -34,3 +36,19 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     first_m = (pid // num_in_group) * GROUP_M
     group_rows = min(num_pid_m - first_m, GROUP_M)
     return first_m + (pid % num_in_group) % group_rows, (pid % num_in_group) // group_rows
+
+
+@triton.jit
+def aligned(value, ALIGN: tl.constexpr):
+    """``value``, known to be a multiple of ``ALIGN``, in a form the compiler sees is one. Triton
+    specializes an int argument on divisibility by 16 alone; rows 8 elements apart (fp32 K=1016)
+    otherwise load 4 bytes at a time, where 16-byte copies fit."""
+    if ALIGN > 1:
+        value = value // ALIGN * ALIGN
+    return value
+
+
+def k_align(K: int, *tensors) -> int:
+    """The largest power of two up to 16 that divides ``K`` and every tensor's row stride (the
+    ``K_ALIGN`` of kernels that read ``[rows, K]`` operands through ``aligned``)."""
+    return math.gcd(16, K, *(t.stride(0) for t in tensors))

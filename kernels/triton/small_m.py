@@ -21,7 +21,7 @@ from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.precision import dot_precision
 from fusedserve.kernels.rules import MID_M_MAX, SMALL_M_MAX, SMS
-from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
+from fusedserve.kernels.triton.common import aligned, dot_acc, k_align, launch_dependents_then_wait
 
 NAME = "triton_small_m"
 
@@ -142,7 +142,9 @@ def _small_m_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
     PREFETCH_W: tl.constexpr,  # W is constant: read its first tile before that wait
+    K_ALIGN: tl.constexpr = 1,  # a power of two dividing K and both row strides (``common.k_align``)
 ):
+    K, stride_xm, stride_wn = aligned(K, K_ALIGN), aligned(stride_xm, K_ALIGN), aligned(stride_wn, K_ALIGN)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -208,10 +210,12 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
     PREFETCH_W: tl.constexpr,  # W is constant: read its first tile before that wait
     PAIRS: tl.constexpr,  # bf16 W read as int32 pairs (K and W's row stride even; see _w_tile)
+    K_ALIGN: tl.constexpr = 1,  # a power of two dividing K and both row strides (``common.k_align``)
 ):
     # No tensor cores: each W tile is multiplied by each of the (few) rows of X on the CUDA cores and
     # summed along K. Exact fp32 products for every dtype (no TF32, no padding of M to 16), and W is
     # read in 16-byte vectors along K.
+    K, stride_xm, stride_wn = aligned(K, K_ALIGN), aligned(stride_xm, K_ALIGN), aligned(stride_wn, K_ALIGN)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
 
@@ -399,7 +403,7 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     common = (x, weight, bias if bias is not None else out, out, part, locks, M, N, K,
               x.stride(0), weight.stride(0), out.stride(0))
     flags = dict(HAS_BIAS=bias is not None, ACTIVATION=activation, USE_PDL=pdl,
-                 PREFETCH_W=prefetch_weight, BLOCK_M=bm)
+                 PREFETCH_W=prefetch_weight, BLOCK_M=bm, K_ALIGN=k_align(K, x, weight))
     if pdl:
         meta["launch_pdl"] = True  # a launch option, not a kernel argument
     if gemv:

@@ -16,7 +16,7 @@ import triton.language as tl
 from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.rules import SMALL_M_MAX, SMS
-from fusedserve.kernels.triton.common import dot_acc, grouped_tile, launch_dependents_then_wait
+from fusedserve.kernels.triton.common import aligned, dot_acc, grouped_tile, k_align, launch_dependents_then_wait
 
 NAME = "triton_split_k"
 
@@ -57,9 +57,12 @@ def _split_k_partial_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
+    K_ALIGN: tl.constexpr = 1,  # a power of two dividing K and both row strides (``common.k_align``)
 ):
     if USE_PDL:
         launch_dependents_then_wait()
+    K, stride_xm, stride_wn = aligned(K, K_ALIGN), aligned(stride_xm, K_ALIGN), aligned(stride_wn, K_ALIGN)
+    K_PER_SPLIT = aligned(K_PER_SPLIT, BLOCK_K)
     split = tl.program_id(1)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -120,7 +123,8 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     pdl_flag = {"launch_pdl": True} if pdl else {}
     _split_k_partial_kernel[(_tiles(M, N, meta), split)](
         x, weight, part, M, N, K, x.stride(0), weight.stride(0), k_per_split,
-        INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, USE_PDL=pdl, **meta, **pdl_flag)
+        INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, USE_PDL=pdl, K_ALIGN=k_align(K, x, weight),
+        **meta, **pdl_flag)
     _split_k_sum_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](
         part, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=split,
         HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK=_SUM_BLOCK, USE_PDL=pdl, num_warps=4, **pdl_flag)

@@ -14,7 +14,7 @@ from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.precision import dot_precision
 from fusedserve.kernels.rules import SMALL_M_MAX
-from fusedserve.kernels.triton.common import dot_acc, grouped_tile, launch_dependents_then_wait
+from fusedserve.kernels.triton.common import aligned, dot_acc, grouped_tile, k_align, launch_dependents_then_wait
 
 NAME = "triton_tiled"
 
@@ -72,9 +72,11 @@ def _tiled_linear_kernel(
     UPCAST_BF16: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait before reading x
+    K_ALIGN: tl.constexpr = 1,  # a power of two dividing K and both row strides (``common.k_align``)
 ):
     if USE_PDL:
         launch_dependents_then_wait()
+    K, stride_xm, stride_wn = aligned(K, K_ALIGN), aligned(stride_xm, K_ALIGN), aligned(stride_wn, K_ALIGN)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # Rows/columns past the edge wrap around (modulo) so the loads need no M/N mask; the store
@@ -123,7 +125,7 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, ACTIVATION=activation,
         INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16,
-        USE_PDL=pdl, **meta, **({"launch_pdl": True} if pdl else {}),
+        USE_PDL=pdl, K_ALIGN=k_align(K, x, weight), **meta, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
