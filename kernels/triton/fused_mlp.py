@@ -32,7 +32,7 @@ from fusedserve.kernels.arguments import check_normalization, interpreting
 from fusedserve.kernels.device import cuda_name, cuda_sm_count, pdl_supported
 from fusedserve.kernels.precision import dot_precision
 from fusedserve.kernels.rules import SMS, m_bucket
-from fusedserve.kernels.triton.common import dot_acc, launch_dependents_then_wait
+from fusedserve.kernels.triton.common import aligned, dot_acc, k_align, launch_dependents_then_wait
 from fusedserve.kernels.tune_cache import device_cache
 from fusedserve.kernels.tuning import descend_chain
 
@@ -300,8 +300,10 @@ def _fused_mlp_layer_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FMA: tl.constexpr,  # CUDA-core products instead of tl.dot (any BLOCK_M; exact fp32 products)
     STAGES: tl.constexpr,  # loads in flight in the k loop (cp.async pipeline; FMA loads too)
+    K_ALIGN: tl.constexpr = 1,  # a power of two dividing K and src's row stride (``common.k_align``)
 ):
     """dst[m, n] = act(norm(src)[m, :] @ W[n, :] + b[n]) for this program's BLOCK_M x BLOCK_N tile."""
+    K, stride_src = aligned(K, K_ALIGN), aligned(stride_src, K_ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -407,6 +409,7 @@ def fused_mlp_layer(h: torch.Tensor, packed: PackedMLP, index: int, shift: torch
         UPCAST_BF16=on_cpu and dtype == torch.bfloat16,
         USE_PDL=pdl,
         STAGES=config["num_stages"],
+        K_ALIGN=k_align(packed.widths[index], h),
         **config,
     )
     return out if after is None else after(out)

@@ -1,7 +1,8 @@
-"""Rows 8 elements apart (K = 1016) are read 16 bytes at a time by the Triton families that load
-[rows, K] operands through pointers: Triton specializes an int on divisibility by 16 alone, so
-without ``common.aligned`` those loads fell to 2 or 4 bytes (fp32 ran at 0.05-0.48x cuBLAS there).
-Compiled for sm_90 on the CPU in a process of its own (this one's kernels are interpreted)."""
+"""Rows 8 elements apart (K = 1016) are read 16 bytes at a time by the Triton kernels that load
+[rows, K] operands through pointers, the fused MLP's layers included: Triton specializes an int on
+divisibility by 16 alone, so without ``common.aligned`` those loads fell to 2 or 4 bytes (fp32 ran
+at 0.05-0.48x cuBLAS there). Compiled for sm_90 on the CPU in a process of its own (this one's
+kernels are interpreted)."""
 
 import os
 import subprocess
@@ -14,17 +15,30 @@ import torch
 from fusedserve.kernels.triton.common import k_align
 
 COPY_SIZES = """
-import re, sys
+import math, re, sys
 import torch
-from fusedserve.kernels.triton import small_m, split_k, tiled
+from triton.runtime.jit import MockTensor
+from fusedserve.kernels.triton import fused_mlp, small_m, split_k, tiled
+from tools.sm90 import compile_sm90
 from tools.sm90_triton import compile_launch
+
+def fused_layer(M, N, K, dtype):
+    src, w, b, dst = (MockTensor(dtype, s) for s in ([M, K], [N, K], [N], [M, N]))
+    config = fused_mlp.fused_mlp_candidates(M, N, K, dtype)[0]
+    meta = dict(NORMALIZE=False, ACTIVATION="relu", UPCAST_BF16=False, USE_PDL=True, STAGES=config["num_stages"],
+                INPUT_PRECISION="tf32x3", K_ALIGN=math.gcd(16, K), **config)
+    return compile_sm90(fused_mlp._fused_mlp_layer_kernel, (src, w, b, dst, src, src, M, N, K, K, N), meta)
 
 modules = {"small_m": small_m, "split_k": split_k, "tiled": tiled}
 for spec in sys.argv[1:]:
     name, M, K, dtype, gemv = spec.split(":")
-    module, M, K, dtype = modules[name], int(M), int(K), getattr(torch, dtype)
-    config = next(c for c in module.candidates(M, 2048, K, dtype) if bool(c.get("GEMV")) == (gemv == "gemv"))
-    ptx = compile_launch(module, M, 2048, K, dtype, config, precision="tf32x3")[0].asm["ptx"]
+    M, K, dtype = int(M), int(K), getattr(torch, dtype)
+    if name == "fused_mlp":
+        ptx = fused_layer(M, 512, K, dtype).asm["ptx"]
+    else:
+        module = modules[name]
+        config = next(c for c in module.candidates(M, 2048, K, dtype) if bool(c.get("GEMV")) == (gemv == "gemv"))
+        ptx = compile_launch(module, M, 2048, K, dtype, config, precision="tf32x3")[0].asm["ptx"]
     copies = re.findall(r"cp\\.async\\.c[ag]\\.shared\\.global \\[[^\\]]*\\], \\[[^\\]]*\\], (0x\\w+)", ptx)
     loads = re.findall(r"ld\\.global(?:\\.\\w+)*?\\.(v[24]\\.)?b(?:16|32)", ptx)
     narrow = [c for c in copies if c != "0x10"] + [v for v in loads if not v]
@@ -32,7 +46,8 @@ for spec in sys.argv[1:]:
 """
 
 SPECS = ["tiled:1866:1016:float32:", "split_k:300:1016:float32:", "small_m:16:1016:float32:gemv",
-         "small_m:1:1016:bfloat16:gemv", "small_m:16:1016:bfloat16:"]
+         "small_m:1:1016:bfloat16:gemv", "small_m:16:1016:bfloat16:", "fused_mlp:32:1016:bfloat16:",
+         "fused_mlp:32:1016:float32:"]
 
 
 @pytest.mark.timeout(300)
