@@ -113,8 +113,9 @@ def kernel_choice(M, N, K, dtype, device, *, static_weight=False) -> tuple[str, 
 
 
 def tune(shapes, dtype=torch.bfloat16, device="cuda", activation="relu", progress=True):
-    """Run ``fused_linear`` once on every ``(M, N, K)`` in ``shapes`` with every candidate timed (not
-    the first call's short list), so each batch bucket's choice is in the tune cache before serving;
+    """Run ``fused_linear`` once on every ``(M, N, K)`` in ``shapes`` with the tuning search's
+    candidates timed (``choosing.SEARCH_ENV``; not the first call's short list), so each batch
+    bucket's choice is in the tune cache before serving;
     returns ``{(M, N, K): (kernel, config)}``.
     With ``progress``, prints a line per shape to stderr as it finishes."""
     shapes = [tuple(int(d) for d in s) for s in shapes]

@@ -214,9 +214,10 @@ def local_target(device) -> Target:
 
 @contextlib.contextmanager
 def every_candidate():
-    """Within the block, tuning (mode "tune") launches every candidate and times nothing: under
-    ``virtual_gpu`` each launch compiles. What it would keep is meaningless, so only a process whose
-    tune cache is a throwaway one may run it (``_throwaway_tune_cache``)."""
+    """Within the block, tuning (mode "tune") launches every candidate of its search
+    (``kernels.choosing.SEARCH_ENV``) and times nothing: under ``virtual_gpu`` each launch compiles.
+    What it would keep is meaningless, so only a process whose tune cache is a throwaway one may
+    run it (``_throwaway_tune_cache``)."""
     from fusedserve.kernels import choosing, provisional, tuning
 
     def timer(run):
@@ -313,7 +314,7 @@ def compile_candidates(target: Target, name: str, config: dict, max_batch_size: 
 
 
 def compile_layer_task(target: Target, shapes: list[tuple[int, int, int, str]], activation: str = "relu") -> int:
-    """Compile every candidate ``kernels.tune`` would time for each layer shape ``(M, N, K, dtype
+    """Compile every candidate ``kernels.tune`` would time (its search) for each layer shape ``(M, N, K, dtype
     name)``, served (static weights) and not; the launches compiled."""
     from fusedserve.kernels import fused_linear
 
