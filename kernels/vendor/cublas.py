@@ -61,14 +61,15 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
 
 def provisional_first(p) -> bool:
     """Before tuning the library runs these problems. float32 past 8 rows with K off a multiple of
-    16: there our kernels ran at 0.05-0.48x the library's speed at every measured shape, TF32 on or
-    off (H100; likely because Triton then cannot prove the rows 16-element aligned and does not
-    vectorize their loads). 16-bit past ``SMALL_M_MAX`` rows: the library won most shapes there once
-    tuned, and trails the winner by little where it lost, while the nearest measured shape's family
-    was often far off (docs/kernels.md, "Provisional choices")."""
+    4: rows that are not 16-byte aligned, which our pointer-based kernels read 4 bytes at a time
+    (where they did so for K off a multiple of 16, they ran at 0.05-0.48x the library's speed at
+    every measured shape on an H100; docs/kernels.md, "Rows 8 elements apart"). 16-bit past
+    ``SMALL_M_MAX`` rows: the library won most shapes there once tuned, and trails the winner by
+    little where it lost, while the nearest measured shape's family was often far off
+    (docs/kernels.md, "Provisional choices")."""
     if p.half:
         return p.M > SMALL_M_MAX
-    return p.dtype == torch.float32 and p.K % 16 != 0 and p.M > _FP32_GEMV_MAX_M
+    return p.dtype == torch.float32 and p.K % 4 != 0 and p.M > _FP32_GEMV_MAX_M
 
 
 def describe(config: dict | None) -> str:

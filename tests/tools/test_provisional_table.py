@@ -47,3 +47,11 @@ def test_runs_that_searched_near_the_table_are_left_out():
     near = dict(_run("2026-01-02", [(8, "triton_small_m", "BLOCK_N=32")]), search="near")
     table = winners([full, near])[("G", "3.6.0")]
     assert [kernel for _, kernel, _ in table.values()] == ["gluon_small_m"]
+
+
+def test_float32_winners_at_k_off_sixteen_from_before_the_aligned_loads_are_left_out():
+    def fp32(date, K):
+        return dict(_run(date, []), rows=[dict(impl="fusedserve", M=300, N=64, K=K, dtype="float32", median_us=1.0,
+                                               kernel="torch_cublas", config="op=addmm_act")])
+    table = winners([fp32("2026-12-06", 1016), fp32("2026-12-06", 1024), fp32("2026-12-07T01:00", 1000)])
+    assert sorted(key[3] for key in table[("G", "3.6.0")]) == [1000, 1024]
