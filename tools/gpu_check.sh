@@ -169,6 +169,9 @@ dashboard() {  # a real server on the GPU under load, its page's JSON captured
 
 gpu_tests() {  # gpu_tests PART PATH...: one part of the GPU suite, then its record
     local part=$1; shift
+    # What the suite imports beyond serving's stack (the test extra); say which is missing at once.
+    python3 -c "import xdist, pytest_timeout, pytest_asyncio, hypothesis, httpx, tritonclient.grpc, tritonclient.http" \
+        || echo "=== tests-$part: install pytest-xdist (for -n) and the test extra's pytest-timeout, pytest-asyncio, hypothesis, httpx, tritonclient[http,grpc]" | tee -a "$log"
     stage "tests-$part" "${GPU_TESTS_LIMIT:-560}" python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --durations=10 --no-header \
         -p no:cacheprovider "$@" 2>&1 | tee "$out/tests_$part.log"
     python3 tools/gpu_record.py part "$part" "$out/tests_$part.log" "$out/gpu_record_$part.json"
