@@ -97,6 +97,21 @@ def test_bad_flag_value_exits_with_usage_not_a_traceback():
     assert "device must be auto, cpu, cuda or cuda:<index>" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_the_tuning_search_reaches_the_kernels_and_the_processes_they_start(monkeypatch):
+    from fusedserve.kernels import choosing
+    from fusedserve.models import DEFAULT_REPOSITORY
+    from fusedserve.service.engine import startup
+
+    monkeypatch.setenv(choosing.SEARCH_ENV, "near")  # restored after the test, whatever start-up sets
+    assert Settings().tuning_search == "near"
+    settings = settings_from_args(parser().parse_args(["serve", "--tuning-search", "full", "--device", "cpu",
+                                                       "--model-repository", str(DEFAULT_REPOSITORY)]))
+    startup._load_runners(settings, {})
+    assert os.environ[choosing.SEARCH_ENV] == "full" and choosing.search() == "full"
+    with pytest.raises(ValidationError, match="tuning_search"):
+        settings_from_args(parser().parse_args(["serve", "--tuning-search", "wide"]))
+
+
 def test_background_tuning_flag_and_environment(monkeypatch, capsys):
     assert Settings().background_tuning is True
     monkeypatch.setenv("FUSEDSERVE_BACKGROUND_TUNING", "0")
