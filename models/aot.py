@@ -269,7 +269,7 @@ def compile_task(target: Target, name: str, config: dict, max_batch_size: int, b
             launches.append(kernel)
             stubs(kernel)
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         with virtual_gpu(target, on_compile, share):
             runner = tune_worker.build_runner(MLPConfig.from_dict(config), name, "cuda:0", "triton", max_batch_size)
             for bucket in buckets:
@@ -281,9 +281,18 @@ def compile_task(target: Target, name: str, config: dict, max_batch_size: int, b
                 else:
                     runner.tune(bucket)  # every path on its tuned choices, all in the tune cache: nothing timed
         stubs.utilities()
-        log.info("compiled %r M=%s for %s, share %d/%d: %d launches in %.1f s", name, ",".join(map(str, buckets)),
-                 target.name, share[0] + 1, share[1], len(launches), time.perf_counter() - start)
+        own, compilers = (now - then for now, then in zip(_cpu_seconds(), cpu, strict=True))
+        # CPU seconds beside the wall clock: far below it, the process waited (for a core, a lock).
+        log.info("compiled %r M=%s for %s, share %d/%d: %d launches in %.1f s (CPU: %.1f s here, %.1f s in "
+                 "compilers it ran)", name, ",".join(map(str, buckets)), target.name, share[0] + 1, share[1],
+                 len(launches), time.perf_counter() - start, own, compilers)
     return len(launches), stubs.built
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its finished children (ptxas, cc)."""
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
 
 
 def repository_models(repository) -> list[tuple[str, dict]]:
