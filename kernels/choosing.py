@@ -194,8 +194,9 @@ def _short_list(families, problem, device, static_weight) -> list[tuple[str, dic
 def search_list(problem: Problem, families, entries, static_weight=False) -> tuple[list[tuple[str, dict]], str | None]:
     """What a tuning call times, and how its tune-cache entry is marked: with the table ``entries``
     a near search (see ``SEARCH_ENV``; marked ``NEAR``), the provisional choice, the vendor's GEMM,
-    then what won at the nearest measured shapes; every candidate (no mark) where that is no shorter
-    or the table has no usable entry of the problem's dtype (pass no entries for a full search)."""
+    then what won at the nearest measured shapes (at a few rows, every config of the provisional
+    choice's family too); every candidate (no mark) where that is no shorter or the table has no
+    usable entry of the problem's dtype (pass no entries for a full search)."""
     every = every_candidate(families, problem)
     near = provisional.near_candidates(problem, families, entries, static_weight)
     if not near:
@@ -203,6 +204,8 @@ def search_list(problem: Problem, families, entries, static_weight=False) -> tup
     kernel, config, _ = provisional.provisional_choice(problem, families, entries, static_weight)
     vendor = every_candidate([f for f in families if f.name == VENDOR], problem)
     pairs = [(kernel, config)] + [pair for pair in vendor if pair != (kernel, config)]
+    if tuning_rows(problem.M) <= provisional.NEAR_WHOLE_FAMILY_ROWS:
+        near = near + every_candidate([f for f in families if f.name == kernel], problem)
     pairs += [pair for pair in near if pair not in pairs]
     return (pairs, NEAR) if len(pairs) < len(every) else (every, None)
 

@@ -41,6 +41,9 @@ _M_WEIGHT, _STATIC_WEIGHT = 2.0, 0.01
 # A near search (``choosing.search``) times what won at this many nearest measured shapes, besides
 # the vendor and the provisional choice (docs/kernels.md: how often that holds the full search's winner).
 NEAR_ENTRIES = 6
+# Up to this many rows a near search also times every candidate of the provisional choice's family:
+# our families win there by the most and their best configs vary most (docs/kernels.md, "Tuning search").
+NEAR_WHOLE_FAMILY_ROWS = 8
 
 _mode = contextvars.ContextVar("fusedserve_choice_mode", default=None)
 

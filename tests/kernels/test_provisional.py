@@ -183,3 +183,14 @@ def test_a_search_of_an_unknown_breadth_is_refused(monkeypatch):
     monkeypatch.setenv(choosing.SEARCH_ENV, "wide")
     with pytest.raises(ValueError, match="FUSEDSERVE_TUNING_SEARCH must be one of near, full"):
         choosing.search()
+
+
+@pytest.mark.parametrize("M, whole_family", [(3, True), (8, True), (9, False), (40, False)])
+def test_a_near_search_at_a_few_rows_times_every_config_of_the_provisional_family(M, whole_family):
+    problem = hopper(M, N=3000, K=3000)
+    families, entries = registry.offered(problem), provisional.table(H200, "3.6.0")
+    pairs, mark = choosing.search_list(problem, families, entries, True)
+    kernel, _, _ = provisional_choice(problem, families, entries, True)
+    family = choosing.every_candidate([f for f in families if f.name == kernel], problem)
+    assert mark == "near" and len(pairs) < len(choosing.every_candidate(families, problem))
+    assert all(pair in pairs for pair in family) == whole_family, (kernel, len(family))
