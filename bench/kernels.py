@@ -191,7 +191,10 @@ def near_search(directory):
         yield
     finally:
         for name, value in saved.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
         tune_cache.device_cache.cache_clear()
 
 

@@ -186,7 +186,11 @@ def _short_list(families, problem, device, static_weight) -> list[tuple[str, dic
     """The provisional choice and the vendor's candidates where it is offered: at most one kernel to
     compile, so a first call is quick (the vendor's GEMM needs no compiling)."""
     provisional_pick = provisional_choice(problem, device, static_weight, families)
-    first = (provisional_pick.kernel, provisional_pick.config)
+    return _with_vendor((provisional_pick.kernel, provisional_pick.config), families, problem)
+
+
+def _with_vendor(first: tuple[str, dict], families, problem) -> list[tuple[str, dict]]:
+    """``first``, then the vendor's candidates (where it is offered) but ``first``."""
     vendor = every_candidate([f for f in families if f.name == VENDOR], problem)
     return [first] + [pair for pair in vendor if pair != first]
 
@@ -202,8 +206,7 @@ def search_list(problem: Problem, families, entries, static_weight=False) -> tup
     if not near:
         return every, None
     kernel, config, _ = provisional.provisional_choice(problem, families, entries, static_weight)
-    vendor = every_candidate([f for f in families if f.name == VENDOR], problem)
-    pairs = [(kernel, config)] + [pair for pair in vendor if pair != (kernel, config)]
+    pairs = _with_vendor((kernel, config), families, problem)
     if tuning_rows(problem.M) <= provisional.NEAR_WHOLE_FAMILY_ROWS:
         near = near + every_candidate([f for f in families if f.name == kernel], problem)
     pairs += [pair for pair in near if pair not in pairs]
