@@ -94,6 +94,11 @@ _CUDA_NAME = re.compile(r"cuda(:\d+)?")
 _GETTERS = {torch._C.TensorBase.__dict__["device"]: _CUDA0, torch._C.TensorBase.__dict__["is_cuda"]: True,
             torch._C.TensorBase.__dict__["is_cpu"]: False}
 _ON_HOST_ALREADY = (torch.Tensor.cuda, torch.Tensor.pin_memory)
+# The vendor's GEMMs (kernels/vendor/cublas.py) compile nothing, so they return their output unwritten,
+# as a Triton launch does: computed on host tensors they took half a compile process's time, again in
+# every process and bucket (torch's threads in each of 8 processes contending on the cores).
+# Each maps to the position of its [M, K] operand ([K, N] follows it).
+_GEMMS = {torch._addmm_activation: 1, torch.addmm: 1, torch.mm: 0}
 
 
 def _host(value):
@@ -118,6 +123,10 @@ class _OnVirtualDevice(TorchFunctionMode):
             return args[0]
         if func is torch.device:  # torch.device(x.device) names the virtual device, as x.device does
             return func(*args, **kwargs)
+        if func in _GEMMS:
+            a, b = args[_GEMMS[func]], args[_GEMMS[func] + 1]
+            out = kwargs.get("out")
+            return out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
         kwargs.pop("pin_memory", None)
         if "device" in kwargs:
             kwargs["device"] = _host(kwargs["device"])

@@ -39,6 +39,23 @@ def test_interpreted_kernels_cannot_be_precompiled(monkeypatch):
             pass
 
 
+def test_the_vendors_gemms_compute_nothing_on_the_virtual_gpu(h100_compiles):
+    # As a Triton launch there, they leave their output unwritten: computed on host tensors they
+    # took half of each compile process's time.
+    import torch
+
+    from fusedserve.kernels.vendor import cublas
+
+    x, w, b = torch.ones(300, 512), torch.ones(256, 512), torch.ones(256)
+    out = torch.full((300, 256), -7.0)
+    with aot.virtual_gpu(h100_compiles):
+        for config in cublas.CANDIDATES:
+            assert cublas.launch(x, w, b, "none", out, config) is out
+        made = torch.mm(x, w.t())
+    assert bool((out == -7.0).all())  # not x @ w^T + b (513 everywhere)
+    assert made.shape == (300, 256) and made.dtype == x.dtype
+
+
 @pytest.mark.timeout(600)
 def test_the_command_writes_sm90_cubins_and_launcher_stubs(tmp_path):
     # One fp16 model of awkward widths, one bucket: every kernel of its warm-up (the normalization
