@@ -146,3 +146,13 @@ def test_background_compile_processes_and_their_children_run_at_idle_priority():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(os.SCHED_IDLE)] * 2  # ptxas, started by Triton, inherits it
+
+
+@pytest.mark.timeout(120)
+def test_compile_processes_run_torch_on_one_thread():
+    # Their tensor ops only stand in for GPU ones: 8 processes each running torch's threads on
+    # every core starved each other (35 s of CPU per process on a 16-core host, for 9 s of work).
+    import torch
+
+    for initializer in (aot._log_to_stderr, aot._throwaway_tune_cache):
+        assert aot._run_in_pool(torch.get_num_threads, [()], 1, initializer) == [1]
