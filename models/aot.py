@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import re
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from fusedserve.kernels import device as kernel_device
 from fusedserve.kernels.arguments import interpreting
 from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models import tune_worker
+from fusedserve.models.compile_progress import CompileProgress
 from fusedserve.models.launchers import Launchers
 from fusedserve.models.loading import latest_version, model_directories, read_config
 from fusedserve.models.precompile import default_workers
@@ -265,10 +267,12 @@ def idle_priority() -> None:
 
 
 def compile_task(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
-                 launchers: bool = True, candidates: bool = False, share: tuple[int, int] = (0, 1)) -> tuple[int, int]:
+                 launchers: bool = True, candidates: bool = False, share: tuple[int, int] = (0, 1),
+                 progress: CompileProgress | None = None) -> tuple[int, int]:
     """Compile model ``name`` (a config.json's dict) at ``buckets`` for ``target`` as a server with
     ``max_batch_size`` warms it, or with ``candidates`` every kernel its tuner would time there; only
-    ``share`` of those kernels (see ``virtual_gpu``). ``(launches of its share's kernels, launcher stubs built)``."""
+    ``share`` of those kernels (see ``virtual_gpu``), each bucket marked in ``progress`` once done.
+    ``(launches of its share's kernels, launcher stubs built)``."""
     from fusedserve.models.mlp import MLPConfig
 
     launches = []
@@ -289,6 +293,8 @@ def compile_task(target: Target, name: str, config: dict, max_batch_size: int, b
                     runner.warm(bucket)  # provisional choices, as warm-up runs them
                 else:
                     runner.tune(bucket)  # every path on its tuned choices, all in the tune cache: nothing timed
+                if progress is not None:
+                    progress.mark(bucket, share[0])
         stubs.utilities()
         own, compilers = (now - then for now, then in zip(_cpu_seconds(), cpu, strict=True))
         # CPU seconds beside the wall clock: far below it, the process waited (for a core, a lock).
@@ -323,12 +329,35 @@ def precompile(repository, max_batch_size: int, gpus: list[Target], jobs: int | 
 
 
 def compile_candidates(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
-                       jobs: int | None = None) -> tuple[int, int]:
+                       jobs: int | None = None, progress: CompileProgress | None = None) -> tuple[int, int]:
     """Compile every kernel model ``name``'s tuner would time at ``buckets`` on ``target``, in up to
-    ``jobs`` processes at once, none touching a GPU: the tuner then only times (compiling was ~94%
-    of tuning on an H100). ``(kernel launches, launcher stubs built)``."""
-    return tuple(_compile_in_pool([(target, name, config)], buckets, max_batch_size, jobs or default_workers(),
-                                  True, candidates=True))
+    ``jobs`` processes at once (``progress``'s shares where given), none touching a GPU: the tuner then
+    only times (compiling was ~94% of tuning on an H100). ``(kernel launches, launcher stubs built)``."""
+    jobs = progress.shares if progress is not None else jobs or default_workers()
+    return tuple(_compile_in_pool([(target, name, config)], buckets, max_batch_size, jobs, True, candidates=True,
+                                  progress=progress))
+
+
+def compile_candidates_ahead(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
+                             directory, jobs: int | None = None) -> tuple[CompileProgress, concurrent.futures.Future]:
+    """``compile_candidates`` started on a thread, its progress marked in ``directory`` (which must outlive
+    it), so a tuner times each bucket once ``progress.wait(bucket)`` returns, while later buckets compile.
+    ``(progress, future of compile_candidates' result)``."""
+    progress, future = CompileProgress(directory, jobs or default_workers()), concurrent.futures.Future()
+
+    def run():
+        result = error = None
+        try:
+            result = compile_candidates(target, name, config, max_batch_size, buckets, progress=progress)
+        except BaseException as exc:  # handed to whoever waits on the future
+            error = exc
+        progress.finish()  # first: whoever the future wakes finds the folder complete
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    threading.Thread(target=run, name="fusedserve-compile-ahead", daemon=True).start()
+    return progress, future
 
 
 def compile_layer_task(target: Target, shapes: list[tuple[int, int, int, str]], activation: str = "relu") -> int:
@@ -355,13 +384,14 @@ def compile_layer_candidates(target: Target, shapes, jobs: int | None = None) ->
                             _throwaway_tune_cache))
 
 
-def _compile_in_pool(keys, buckets, max_batch_size, jobs, launchers, candidates=False) -> list[int]:
+def _compile_in_pool(keys, buckets, max_batch_size, jobs, launchers, candidates=False, progress=None) -> list[int]:
     """``compile_task`` for every ``(target, name, config)`` in ``keys`` at ``buckets`` in up to ``jobs``
     fresh processes: each of a key's processes traces every bucket and compiles its share of the
     kernels (dealing buckets instead compiled the kernels buckets share once per process, 3.5x the
     work for a 16-bucket model); ``[launches, launcher stubs]`` summed."""
     shares = max(1, round(jobs / len(keys))) if keys else 1
-    tasks = [(*key, max_batch_size, buckets, launchers, candidates, (i, shares)) for key in keys for i in range(shares)]
+    tasks = [(*key, max_batch_size, buckets, launchers, candidates, (i, shares), progress)
+             for key in keys for i in range(shares)]
     results = _run_in_pool(compile_task, tasks, jobs, _throwaway_tune_cache if candidates else _log_to_stderr)
     return [sum(counts) for counts in zip(*results, strict=True)] if results else [0, 0]
 

@@ -1,9 +1,10 @@
 """Tuning after ready: a daemon thread that tunes every runner's provisional buckets one at a time
 while the runners serve, and swaps each result in between two batches (``ModelRunner.retune``).
 
-On CUDA the kernels are compiled and timed in a worker process per model
-(``models.tune_worker``): compiling holds the GIL for long stretches (docs/kernels.md), which in
-this process would stall the batches. The worker fills the tune
+On CUDA the kernels are compiled ahead by processes that need no GPU (``models.aot``), bucket by
+bucket, while a worker process per model (``models.tune_worker``) times each bucket once its kernels
+are compiled: compiling holds the GIL for long stretches (docs/kernels.md), which in this process
+would stall the batches. The worker fills the tune
 cache and Triton's cache and reports each bucket; this thread then reloads the tune cache and
 retunes the bucket from the caches (graphs captured, path timed, swapped). Where the worker fails,
 or off CUDA (``isolate``), the thread tunes in this process, yielding between candidates
@@ -16,17 +17,28 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import tempfile
 import threading
 import time
 
 from fusedserve.kernels import tune_cache
 from fusedserve.kernels.tuning import yielding
 from fusedserve.models import aot, tune_worker
+from fusedserve.models.compile_progress import CompileProgress
 
 log = logging.getLogger(__name__)
 
 # How often the busy state is polled for a tuning worker (it waits up to tune_worker.BUSY_WAIT_S).
 BUSY_POLL_S = 0.01
+
+
+def _log_compiled(name: str, done, seconds: float) -> None:
+    """Log how compiling ``name``'s candidates ahead ended (``done``: its future)."""
+    if done.exception() is not None:
+        log.warning("compiling the tuning candidates of %r ahead failed; its tuning worker compiles them", name,
+                    exc_info=done.exception())
+    else:
+        log.info("background tuning: %d candidate launches of %r compiled in %.1f s", done.result()[0], name, seconds)
 
 
 class TuningStopped(Exception):
@@ -116,13 +128,14 @@ class BackgroundTuner:
         isolate = self.isolate if self.isolate is not None else runner.device.type == "cuda"
         left = list(buckets)
         if isolate:
-            if runner.device.type == "cuda":
-                self._compile_candidates(runner, buckets)
-            for bucket in self._worker_buckets(runner, buckets):
-                tune_cache.reload_all()  # the worker's choices, for retune to find
-                left.remove(bucket)
-                if self._stop.is_set() or not self._tune_one(runner, bucket, total):
-                    return False
+            with tempfile.TemporaryDirectory(prefix="fusedserve-compiled-") as directory:
+                cuda = runner.device.type == "cuda"
+                compiled = self._compile_candidates(runner, buckets, directory) if cuda else None
+                for bucket in self._worker_buckets(runner, buckets, compiled):
+                    tune_cache.reload_all()  # the worker's choices, for retune to find
+                    left.remove(bucket)
+                    if self._stop.is_set() or not self._tune_one(runner, bucket, total):
+                        return False
             if left and not self._stop.is_set():
                 log.warning("the tuning worker of %r left M=%s untuned; tuning them in this process", runner.name,
                             ",".join(map(str, left)))
@@ -131,23 +144,26 @@ class BackgroundTuner:
                 return False
         return True
 
-    def _compile_candidates(self, runner, buckets: list[int]) -> None:
-        """Every kernel the worker will time, compiled first by processes that need no GPU
-        (``models.aot.compile_candidates``), several at once; where that fails the worker compiles."""
+    def _compile_candidates(self, runner, buckets: list[int], directory: str) -> CompileProgress | None:
+        """Start compiling every kernel the worker will time in processes that need no GPU, several at
+        once (``models.aot.compile_candidates_ahead``); the worker times each bucket once its kernels
+        are compiled, while the next ones compile. Where that fails the worker compiles: None."""
         start = time.perf_counter()
         try:
-            launches, _ = aot.compile_candidates(aot.local_target(runner.device), runner.name,
-                                                 runner.model.config.to_dict(), runner.max_batch_size, buckets)
+            progress, compiled = aot.compile_candidates_ahead(
+                aot.local_target(runner.device), runner.name, runner.model.config.to_dict(), runner.max_batch_size,
+                buckets, directory)
         except Exception:
             log.warning("compiling the tuning candidates of %r ahead failed; its tuning worker compiles them",
                         runner.name, exc_info=True)
-            return
-        log.info("background tuning: %d candidate launches of %r compiled in %.1f s", launches, runner.name,
-                 time.perf_counter() - start)
+            return None
+        compiled.add_done_callback(lambda done: _log_compiled(runner.name, done, time.perf_counter() - start))
+        return progress
 
-    def _worker_buckets(self, runner, buckets: list[int]):
-        """Start a tuning worker for ``buckets`` and yield each bucket it reports done."""
-        argv = tune_worker.argv(runner, buckets)
+    def _worker_buckets(self, runner, buckets: list[int], compiled: CompileProgress | None = None):
+        """Start a tuning worker for ``buckets`` (each timed once ``compiled`` says its kernels are) and
+        yield each bucket it reports done."""
+        argv = tune_worker.argv(runner, buckets, compiled=compiled)
         gate = os.pipe() if self.busy is not None else None
         try:
             if gate is not None:

@@ -9,6 +9,9 @@ kernel timings: random ones), times every candidate path of each bucket it is gi
 ``TUNED <bucket>`` after each; the serving process then reloads the tune cache and warms the bucket
 again from the caches (``ModelRunner.retune``: no timing of kernels, no compiling).
 
+``--compiled DIR:SHARES``: processes are compiling the candidates ahead (``models.aot.compile_candidates_ahead``);
+each bucket waits for its kernels there before it is timed.
+
 ``--warm``: compile only, for a cold start (``models.precompile``): warm each bucket as the server
 will (``ModelRunner.warm``: its provisional choices, nothing timed, nothing captured), so Triton's
 cache holds the kernels the server then loads; prints ``WARM <bucket>`` after each.
@@ -26,6 +29,7 @@ import time
 import torch
 
 from fusedserve.kernels.tuning import yielding
+from fusedserve.models.compile_progress import CompileProgress
 from fusedserve.models.mlp import MLP, MLPConfig
 from fusedserve.models.runner import ModelRunner
 
@@ -34,14 +38,14 @@ TUNED, WARM = "TUNED", "WARM"
 BUSY_WAIT_S = 0.25
 
 
-def argv(runner, buckets, warm: bool = False) -> list[str]:
+def argv(runner, buckets, warm: bool = False, compiled: CompileProgress | None = None) -> list[str]:
     """The command line of a worker that tunes (``warm``: compiles) ``buckets`` of ``runner``'s model
-    as it serves it."""
+    as it serves it, each once ``compiled`` says its kernels are compiled where given."""
     return [sys.executable, "-m", "fusedserve.models.tune_worker",
             "--config", json.dumps(runner.model.config.to_dict()),
             "--name", runner.name, "--device", str(runner.device), "--backend", runner.backend,
             "--max-batch-size", str(runner.max_batch_size), "--buckets", ",".join(str(b) for b in buckets),
-            *(["--warm"] if warm else [])]
+            *(["--warm"] if warm else []), *(["--compiled", str(compiled)] if compiled is not None else [])]
 
 
 def build_runner(config: MLPConfig, name: str, device, backend: str, max_batch_size: int,
@@ -88,6 +92,8 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument("--buckets", required=True, help="comma-separated batch buckets to tune, in order")
     parser.add_argument("--warm", action="store_true", help="compile each bucket's provisional choices only")
     parser.add_argument("--busy-fd", type=int, help="a pipe the server writes b'1' (busy) and b'0' (idle) to")
+    parser.add_argument("--compiled", type=CompileProgress.parse,
+                        help="DIR:SHARES where processes compiling the candidates ahead mark each bucket")
     parsed = parser.parse_args(args)
     if not parsed.warm and hasattr(os, "nice"):
         os.nice(10)  # tuning is background work: the serving process's threads come first on the CPU
@@ -100,6 +106,8 @@ def main(args: list[str] | None = None) -> None:
             if parsed.warm:
                 runner.warm(bucket)
             else:
+                if parsed.compiled is not None:
+                    parsed.compiled.wait(bucket)
                 runner.tune(bucket)
             print(f"{WARM if parsed.warm else TUNED} {bucket}", flush=True)
 

@@ -148,7 +148,7 @@ def test_what_a_failed_worker_left_is_tuned_in_this_process(monkeypatch, caplog)
     from fusedserve.models import tune_worker
 
     # A worker that reports bucket 2 done, then dies.
-    monkeypatch.setattr(tune_worker, "argv", lambda runner, buckets: [
+    monkeypatch.setattr(tune_worker, "argv", lambda runner, buckets, **_: [
         sys.executable, "-c", "import sys; print('TUNED 2', flush=True); sys.exit(3)"])
     runner = provisional_runner()
     tuner = BackgroundTuner([runner], pause_s=0, isolate=True)
