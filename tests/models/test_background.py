@@ -5,6 +5,7 @@ import logging
 import threading
 import time
 
+import pytest
 import torch
 
 from fusedserve.kernels import tuning
@@ -204,3 +205,28 @@ def test_an_isolated_worker_hears_the_servers_busy_state(caplog):
     tuner.start()
     tuner.join(120)
     assert not tuner.running and sorted(b for _, b, _ in tuner.tuned) == BUCKETS and tuner.failed == []
+
+
+@pytest.mark.timeout(240)
+def test_a_cuda_models_candidates_compile_ahead_for_its_worker_to_wait_on(tmp_path, monkeypatch, caplog):
+    # The CUDA branch without a GPU: the compile processes work on a virtual H100 from the model's
+    # config alone, mark each bucket, and the worker's command line points at their marks.
+    from fusedserve.models import aot, tune_worker
+
+    caplog.set_level(logging.INFO, logger="fusedserve.models.background")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(aot, "local_target", lambda device: aot.targets("9.0", ["NVIDIA H100 80GB HBM3"])[0])
+    runner = provisional_runner()
+    (tmp_path / "marks").mkdir()
+    progress = BackgroundTuner([runner])._compile_candidates(runner, [1, 2], str(tmp_path / "marks"))
+    deadline = time.monotonic() + 100
+    while not (tmp_path / "marks" / "done").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert progress.compiled(1) and progress.compiled(2)
+    assert sorted(p.name for p in (tmp_path / "marks").iterdir())[-1] == "done"
+    assert "--compiled" in tune_worker.argv(runner, [1, 2], compiled=progress)
+    deadline = time.monotonic() + 10  # (the log line follows the mark, from the compile's thread)
+    while "candidate launches of 'tiny' compiled in" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "candidate launches of 'tiny' compiled in" in caplog.text, caplog.text
