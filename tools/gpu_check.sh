@@ -42,6 +42,8 @@
 #   within KERNELS_BUDGET_S, its line noted $KERNELS_TAG.
 # ab: this checkout against another at $AB_DIR (whose bench/kernels.py writes kernels.jsonl too),
 #   bench/kernels.py alternated A B A B ($AB_ROUNDS); the comparison in ab.jsonl.
+# imports: what start-up waits on before an engine loads (issue 38): torch's import, cold then warm,
+#   with -X importtime (torch_importtime_<n>.txt), and the engine process's own imports.
 # pack (last): everything under $OUT into one results.tgz.
 # Results go to $OUT (default bench/results/gpu_check) as each benchmark's <benchmark>.jsonl, one
 # line per run, with its plot (<stage>_<gpu>.png: h100, h200...) and the log, gpu_check.log; each
@@ -201,6 +203,9 @@ ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits
 kernels_out=(--out "$out" --tune-cache "$out/tune_cache")
 for s in "${stages[@]}"; do
     case $s in
+        imports) stage imports 120 bash -c 'for i in 1 2; do python3 -X importtime -c "import torch" 2> "$0/torch_importtime_$i.txt"; \
+            python3 -c "import time; t = time.perf_counter(); import fusedserve.service.workers.engine_process; \
+print(f\"engine code imported in {time.perf_counter() - t:.2f} s\")"; done; sort -t"|" -k2 -n "$0/torch_importtime_2.txt" | tail -n 15' "$out" ;;
         env) stage env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"' ;;
         tests) gpu_tests kernels tests/kernels; gpu_tests rest tests/models tests/service tests/bench tests/tools ;;
         tests-all) GPU_TESTS_LIMIT=${GPU_TESTS_LIMIT:-500} gpu_tests all tests/kernels tests/models tests/service tests/bench tests/tools ;;
