@@ -121,8 +121,8 @@ def tuning_rows(M: int) -> int:
 
 def bucket_rows(x2d: torch.Tensor) -> torch.Tensor:
     """``x2d`` ``[M, K]`` grown to ``tuning_rows(M)`` rows (its rows repeated, same row stride): a
-    bucket's choice is timed where the model runner runs it (it pads batches to the bucket) and
-    does not depend on which M in the bucket happened to come first."""
+    bucket's choice is timed where the model runner runs it (it pads batches to the bucket), whichever
+    M in the bucket came first (``choosing._tune`` checks one of ours against the library at that M too)."""
     M, K = x2d.shape
     rows = tuning_rows(M)
     if rows == M:

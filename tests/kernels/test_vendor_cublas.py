@@ -252,6 +252,30 @@ def test_the_tuner_keeps_ours_where_ours_is_faster(fake_gpu, monkeypatch):
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
+@pytest.mark.parametrize("rows, at_own_rows, kept", [
+    (70, {"triton_small_m": 1.1, VENDOR: 1.0}, VENDOR),  # ours won at the bucket's 128 rows only
+    (70, {"triton_small_m": 0.95, VENDOR: 1.0}, "triton_small_m"),
+    (128, None, "triton_small_m"),  # a runner's padded batch: timed once
+])
+def test_a_direct_call_keeps_ours_only_where_it_beats_the_library_at_its_own_rows(
+        fake_gpu, monkeypatch, rows, at_own_rows, kept):
+    timed_rows = []
+    real_sets = choosing.rotating_sets
+    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    ms = {128: {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}, 70: at_own_rows}
+
+    def timer(run):
+        name, _ = timers.timing_candidate.get()
+        return lambda repeats: [ms[timed_rows[-1]][name]] * repeats
+    monkeypatch.setattr(choosing, "default_timer", lambda calls_hint=1: timer)
+    x, w, b = make(rows, 40, 136, torch.float16, device="cpu")
+    with provisional.choosing_mode("tune"):
+        choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
+    assert choice.kernel == kept and timed_rows == ([128, 70] if rows == 70 else [128])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
 def test_a_first_call_times_a_short_list_and_tuning_replaces_it(fake_gpu, monkeypatch):
     timed = []
     ms = {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}
