@@ -220,10 +220,10 @@ def _tune(pairs, x2d, weight, bias, activation, static_weight):
     never lose to; a runner's padded batches are timed once)."""
     x_timed = bucket_rows(x2d)
     timings, best = _time(pairs, x_timed, weight, bias, activation, static_weight)
-    vendor = [pair for _, pair in sorted(timings, key=lambda t: t[0]) if pair[0] == VENDOR][:1]
-    if x_timed is x2d or best[0] == VENDOR or not vendor:
+    vendor = min((t for t in timings if t[1][0] == VENDOR), default=None, key=lambda t: t[0])
+    if x_timed is x2d or best[0] == VENDOR or vendor is None:
         return best
-    return _time([best, *vendor], x2d, weight, bias, activation, static_weight)[1]
+    return _time([best, vendor[1]], x2d, weight, bias, activation, static_weight)[1]
 
 
 def _time(pairs, x2d, weight, bias, activation, static_weight):

@@ -36,7 +36,6 @@ from fusedserve.kernels import device as kernel_device
 from fusedserve.kernels.arguments import interpreting
 from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models import tune_worker
-from fusedserve.models.compile_progress import CompileProgress
 from fusedserve.models.launchers import Launchers
 from fusedserve.models.loading import latest_version, model_directories, read_config
 from fusedserve.models.precompile import default_workers
@@ -268,7 +267,7 @@ def idle_priority() -> None:
 
 def compile_task(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
                  launchers: bool = True, candidates: bool = False, share: tuple[int, int] = (0, 1),
-                 progress: CompileProgress | None = None) -> tuple[int, int]:
+                 progress: tune_worker.CompileProgress | None = None) -> tuple[int, int]:
     """Compile model ``name`` (a config.json's dict) at ``buckets`` for ``target`` as a server with
     ``max_batch_size`` warms it, or with ``candidates`` every kernel its tuner would time there; only
     ``share`` of those kernels (see ``virtual_gpu``), each bucket marked in ``progress`` once done.
@@ -329,7 +328,7 @@ def precompile(repository, max_batch_size: int, gpus: list[Target], jobs: int | 
 
 
 def compile_candidates(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
-                       jobs: int | None = None, progress: CompileProgress | None = None) -> tuple[int, int]:
+                       jobs: int | None = None, progress: tune_worker.CompileProgress | None = None) -> tuple[int, int]:
     """Compile every kernel model ``name``'s tuner would time at ``buckets`` on ``target``, in up to
     ``jobs`` processes at once (``progress``'s shares where given), none touching a GPU: the tuner then
     only times (compiling was ~94% of tuning on an H100). ``(kernel launches, launcher stubs built)``."""
@@ -339,16 +338,18 @@ def compile_candidates(target: Target, name: str, config: dict, max_batch_size: 
 
 
 def compile_candidates_ahead(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
-                             directory, jobs: int | None = None) -> tuple[CompileProgress, concurrent.futures.Future]:
-    """``compile_candidates`` started on a thread, its progress marked in ``directory`` (which must outlive
-    it), so a tuner times each bucket once ``progress.wait(bucket)`` returns, while later buckets compile.
-    ``(progress, future of compile_candidates' result)``."""
-    progress, future = CompileProgress(directory, jobs or default_workers()), concurrent.futures.Future()
+                             directory, jobs: int | None = None):
+    """``compile_candidates`` started on a thread, its progress marked in ``directory``, so a tuner times
+    each bucket once ``progress.wait(bucket)`` returns, while later buckets compile. ``(progress, future
+    of (kernel launches, launcher stubs built, seconds))``."""
+    progress = tune_worker.CompileProgress(directory, jobs or default_workers())
+    future, start = concurrent.futures.Future(), time.perf_counter()
 
     def run():
         result = error = None
         try:
-            result = compile_candidates(target, name, config, max_batch_size, buckets, progress=progress)
+            result = (*compile_candidates(target, name, config, max_batch_size, buckets, progress=progress),
+                      time.perf_counter() - start)
         except BaseException as exc:  # handed to whoever waits on the future
             error = exc
         progress.finish()  # first: whoever the future wakes finds the folder complete

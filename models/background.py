@@ -24,7 +24,6 @@ import time
 from fusedserve.kernels import tune_cache
 from fusedserve.kernels.tuning import yielding
 from fusedserve.models import aot, tune_worker
-from fusedserve.models.compile_progress import CompileProgress
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +31,14 @@ log = logging.getLogger(__name__)
 BUSY_POLL_S = 0.01
 
 
-def _log_compiled(name: str, done, seconds: float) -> None:
+def _log_compiled(name: str, done) -> None:
     """Log how compiling ``name``'s candidates ahead ended (``done``: its future)."""
     if done.exception() is not None:
         log.warning("compiling the tuning candidates of %r ahead failed; its tuning worker compiles them", name,
                     exc_info=done.exception())
     else:
-        log.info("background tuning: %d candidate launches of %r compiled in %.1f s", done.result()[0], name, seconds)
+        launches, _, seconds = done.result()
+        log.info("background tuning: %d candidate launches of %r compiled in %.1f s", launches, name, seconds)
 
 
 class TuningStopped(Exception):
@@ -144,11 +144,10 @@ class BackgroundTuner:
                 return False
         return True
 
-    def _compile_candidates(self, runner, buckets: list[int], directory: str) -> CompileProgress | None:
+    def _compile_candidates(self, runner, buckets: list[int], directory: str) -> tune_worker.CompileProgress | None:
         """Start compiling every kernel the worker will time in processes that need no GPU, several at
         once (``models.aot.compile_candidates_ahead``); the worker times each bucket once its kernels
         are compiled, while the next ones compile. Where that fails the worker compiles: None."""
-        start = time.perf_counter()
         try:
             progress, compiled = aot.compile_candidates_ahead(
                 aot.local_target(runner.device), runner.name, runner.model.config.to_dict(), runner.max_batch_size,
@@ -157,10 +156,10 @@ class BackgroundTuner:
             log.warning("compiling the tuning candidates of %r ahead failed; its tuning worker compiles them",
                         runner.name, exc_info=True)
             return None
-        compiled.add_done_callback(lambda done: _log_compiled(runner.name, done, time.perf_counter() - start))
+        compiled.add_done_callback(lambda done: _log_compiled(runner.name, done))
         return progress
 
-    def _worker_buckets(self, runner, buckets: list[int], compiled: CompileProgress | None = None):
+    def _worker_buckets(self, runner, buckets: list[int], compiled: tune_worker.CompileProgress | None = None):
         """Start a tuning worker for ``buckets`` (each timed once ``compiled`` says its kernels are) and
         yield each bucket it reports done."""
         argv = tune_worker.argv(runner, buckets, compiled=compiled)

@@ -10,7 +10,10 @@ kernel timings: random ones), times every candidate path of each bucket it is gi
 again from the caches (``ModelRunner.retune``: no timing of kernels, no compiling).
 
 ``--compiled DIR:SHARES``: processes are compiling the candidates ahead (``models.aot.compile_candidates_ahead``);
-each bucket waits for its kernels there before it is timed.
+each bucket waits for its kernels there before it is timed (``CompileProgress``: each compile process
+touches ``<bucket>.<share>`` once its share of a bucket's kernels is compiled, and whoever started them
+touches ``done`` once they have all ended, however they ended, so a worker never waits on processes
+that are gone).
 
 ``--warm``: compile only, for a cold start (``models.precompile``): warm each bucket as the server
 will (``ModelRunner.warm``: its provisional choices, nothing timed, nothing captured), so Triton's
@@ -25,17 +28,62 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from fusedserve.kernels.tuning import yielding
-from fusedserve.models.compile_progress import CompileProgress
 from fusedserve.models.mlp import MLP, MLPConfig
 from fusedserve.models.runner import ModelRunner
 
 TUNED, WARM = "TUNED", "WARM"
 # While the server is busy, a tuning worker waits between two candidates up to this long.
 BUSY_WAIT_S = 0.25
+# Where compile processes mark their progress, the one that says they have all ended.
+DONE = "done"
+# A worker waits at most this long for one bucket, then compiles what is missing itself.
+WAIT_S = 300.0
+
+
+class CompileProgress:
+    """The folder ``directory`` where ``shares`` compile processes mark the buckets they are done with."""
+
+    def __init__(self, directory, shares: int):
+        if shares < 1:
+            raise ValueError(f"shares must be >= 1, got {shares}")
+        self.directory, self.shares = Path(directory), shares
+
+    def __str__(self) -> str:  # what ``parse`` reads: a worker's command-line argument
+        return f"{self.directory}:{self.shares}"
+
+    @classmethod
+    def parse(cls, text: str) -> CompileProgress:
+        directory, _, shares = text.rpartition(":")
+        if not directory or not shares.isdigit():
+            raise ValueError(f"compile progress must be DIRECTORY:SHARES, got {text!r}")
+        return cls(directory, int(shares))
+
+    def mark(self, bucket: int, share: int) -> None:
+        # The folder is gone once the tuner stopped early: the mark has no reader left.
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / f"{bucket}.{share}").touch()
+
+    def finish(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / DONE).touch()
+
+    def compiled(self, bucket: int) -> bool:
+        """Whether every share has compiled ``bucket``'s kernels, or the compiling has ended."""
+        return (self.directory / DONE).exists() or all(
+            (self.directory / f"{bucket}.{share}").exists() for share in range(self.shares))
+
+    def wait(self, bucket: int, timeout_s: float = WAIT_S, poll_s: float = 0.02) -> float:
+        """Block until ``compiled(bucket)``, at most ``timeout_s`` (then the worker compiles what is missing
+        itself); the seconds it waited."""
+        start = time.monotonic()
+        while not self.compiled(bucket) and time.monotonic() - start < timeout_s:
+            time.sleep(poll_s)
+        return time.monotonic() - start
 
 
 def argv(runner, buckets, warm: bool = False, compiled: CompileProgress | None = None) -> list[str]:

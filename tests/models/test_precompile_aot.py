@@ -124,13 +124,13 @@ def test_a_layer_shapes_candidates_compile_ahead_without_a_gpu(tmp_path, h100_co
 
 @pytest.mark.timeout(300)
 def test_candidates_compiled_ahead_mark_each_bucket_of_each_share(tmp_path, h100_compiles):
-    # What a tuner waits on before it times a bucket (models.compile_progress).
+    # What a tuner waits on before it times a bucket (tune_worker.CompileProgress).
     config = MLPConfig(64, (256,), 16, "relu", "bfloat16").to_dict()
     (tmp_path / "marks").mkdir()
     progress, compiled = aot.compile_candidates_ahead(h100_compiles, "m", config, 8, [1, 8], tmp_path / "marks",
                                                       jobs=2)
-    launches, _ = compiled.result(timeout=280)
-    assert launches > 0 and progress.shares == 2
+    launches, _, seconds = compiled.result(timeout=280)
+    assert launches > 0 and seconds > 0 and progress.shares == 2
     assert sorted(p.name for p in (tmp_path / "marks").iterdir()) == ["1.0", "1.1", "8.0", "8.1", "done"]
 
 

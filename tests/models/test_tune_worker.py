@@ -1,5 +1,5 @@
-"""The folder through which processes compiling tuning candidates ahead tell a tuner which buckets are
-ready to time (``models.compile_progress``), and a real tuning worker waiting on it."""
+"""The tuning worker's command line and the folder through which processes compiling tuning candidates
+ahead tell it which buckets are ready to time (``tune_worker.CompileProgress``), with a real worker."""
 
 import queue
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusedserve.models import MLP, MLPConfig, ModelRunner, tune_worker
-from fusedserve.models.compile_progress import CompileProgress
+from fusedserve.models.tune_worker import CompileProgress
 
 
 def test_it_travels_as_one_argument():
