@@ -10,7 +10,8 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
 rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
 "torch_graph_device_us", "fusedserve_device_us", "fusedserve_replay_us", "torch_graph_replay_us",
-"fusedserve_peer_style_us", "host_path_extra_us", "graph", "path", "choices", "kernels", "mismatch"?}]
+"fusedserve_peer_style_us", "host_path_extra_us", "order_penalty_us", "graph", "path", "choices", "kernels",
+"mismatch"?}]
 (replay: a replay's wall time with its synchronize, no copies; peer_style: our replay inside the
 peer's own call sequence, alternated with ``run``; host_path_extra: ``run`` minus that, the cost of
 the runner's host work in the same pass),
@@ -24,8 +25,11 @@ output device-to-host into a pinned buffer, synchronizes and returns a copy of i
 buffer is the next call's). fusedserve: a runner per model (``max_batch_size`` the largest batch;
 each measured bucket tuned before it is timed, as a server's are once background tuning is done;
 tune cache in a fresh folder unless ``FUSEDSERVE_TUNE_CACHE`` says otherwise),
-``runner.run(rows)``. Timing: the two are called alternately, ``calls`` times each, wall clock per
-call (``time.perf_counter``); the median of each. Host-side work counts, as in serving.
+``runner.run(rows)``. Timing: the two are called in pairs whose order flips every pair
+(``bench/timing.py``), ``calls`` times each, wall clock per call (``time.perf_counter``); each one's
+medians as first and as second of a pair, averaged. Host-side work counts, as in serving.
+``order_penalty_us``: ``run`` against itself in fixed pairs, what the first of a pair pays (what fixed
+A B pairs would charge to whichever goes first).
 """
 
 import argparse
@@ -43,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import runs  # noqa: E402
+from bench.timing import alternate, order_penalty  # noqa: E402
 from fusedserve.kernels import choosing, tune_cache  # noqa: E402
 from fusedserve.kernels.device import gc_paused  # noqa: E402
 from fusedserve.kernels.rules import bucket as bucket_of  # noqa: E402
@@ -67,7 +72,8 @@ LAUNCH_BOUND_US_PER_LAYER = 8.0
 ISSUE36_MIN, ISSUE36_MEDIAN = 0.98, 1.05
 CHECK_RTOL = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 6e-2}
 METHOD = ("host float32 rows in and out; fusedserve ModelRunner.run vs a torch CUDA graph of the same model "
-          "(pinned staging, casts inside the graph), called alternately; median wall-clock us per call")
+          "(pinned staging, casts inside the graph), called in pairs whose order flips every pair; median "
+          "wall-clock us per call")
 
 
 def log(*args):
@@ -183,26 +189,11 @@ def layer_kernels(runner: ModelRunner, bucket: int) -> list[str]:
 
 
 def synchronized(step):
-    """``step`` then a wait for the GPU, as one call taking (and ignoring) an argument."""
-    def call(_):
+    """``step`` then a wait for the GPU, as one call."""
+    def call():
         step()
         torch.cuda.current_stream().synchronize()
     return call
-
-
-def alternate(a, b, x, calls: int) -> tuple[float, float]:
-    """Median wall-clock microseconds per call of ``a(x)`` and ``b(x)``, called alternately."""
-    for _ in range(20):
-        a(x), b(x)
-    times_a, times_b = [], []
-    for _ in range(calls):
-        start = time.perf_counter()
-        a(x)
-        mid = time.perf_counter()
-        b(x)
-        times_a.append(mid - start)
-        times_b.append(time.perf_counter() - mid)
-    return statistics.median(times_a) * 1e6, statistics.median(times_b) * 1e6
 
 
 def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> None:
@@ -218,14 +209,15 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         x = 4 * torch.rand(batch, fused.config.in_features)
         got, want = runner.run(x), peer(x)
         err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-        ours_us, torch_us = alternate(runner.run, peer, x, calls)
+        ours_us, torch_us = alternate(functools.partial(runner.run, x), functools.partial(peer, x), calls)
         peer_device_us = peer.device_us()
         bucket = bucket_of(batch, runner.max_batch_size)
         # One replay and its synchronize alone, alternated: the rest of a call is host work and copies.
         ours_replay_us, torch_replay_us = alternate(synchronized(functools.partial(runner.compute, bucket)),
-                                                    synchronized(peer.graph.replay), None, calls // 4)
+                                                    synchronized(peer.graph.replay), calls // 4)
         # The runner's host path against the peer's call sequence around the same graph, alternated.
-        run_again_us, peer_style_us = alternate(runner.run, RunnerAsPeer(runner, batch), x, calls // 4)
+        run_again_us, peer_style_us = alternate(functools.partial(runner.run, x),
+                                                functools.partial(RunnerAsPeer(runner, batch), x), calls // 4)
         row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch,
                    fusedserve_us=round(ours_us, 2), torch_graph_us=round(torch_us, 2),
                    ratio=round(torch_us / ours_us, 3), torch_graph_device_us=round(peer_device_us, 2),
@@ -234,6 +226,7 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
                    fusedserve_replay_us=round(ours_replay_us, 2), torch_graph_replay_us=round(torch_replay_us, 2),
                    fusedserve_peer_style_us=round(peer_style_us, 2),
                    host_path_extra_us=round(run_again_us - peer_style_us, 2),
+                   order_penalty_us=round(order_penalty(functools.partial(runner.run, x), calls // 4), 2),
                    graph=runner.graphed(bucket), path=runner.path(bucket),
                    choices=runner.choice_states.get(bucket), kernels=layer_kernels(runner, bucket))
         if not err <= CHECK_RTOL[dtype]:

@@ -9,7 +9,8 @@ Each model is a torch MLP exported with ``torch.onnx.export`` at run time, impor
 ``ModelRunner`` (the engine's runner: buckets, CUDA graphs, tuned kernels; each measured batch warmed
 and tuned before it is timed). onnxruntime runs the same file on its CUDA execution provider where
 installed, else its CPU one (the line says which, ``provider``). Per batch size the two are called
-alternately, A B A B, ``calls`` times each; the median wall-clock microseconds per call of each.
+in pairs whose order flips every pair (``bench/timing.py``), ``calls`` times each; the median
+wall-clock microseconds per call of each.
 ``--quick`` (one small model, three batches) also runs on a CPU-only machine, where fusedserve runs
 its torch backend. Appends the run to ``OUT/onnx_peer.jsonl`` (``bench/runs.py``): rows
 [{"model", "widths", "dtype", "batch", "fusedserve_us", "onnxruntime_us", "speedup", "max_error"}],
@@ -46,6 +47,7 @@ from bench import load, load_report, runs  # noqa: E402
 from bench.loadgen import LoadPool, default_procs  # noqa: E402
 from bench.peers.naive_fastapi import ONNX_FILE, ort_providers  # noqa: E402
 from bench.servers import fusedserve_spec, naive_spec  # noqa: E402
+from bench.timing import alternate  # noqa: E402
 from fusedserve.models import ModelRunner, from_onnx, load_model  # noqa: E402
 from fusedserve.models.importing.check import TOLERANCE  # noqa: E402
 
@@ -58,7 +60,7 @@ BATCHES, QUICK_BATCHES = (1, 8, 64, 256, 1024), (1, 8, 64)
 CALLS, QUICK_CALLS = 500, 20
 METHOD = ("torch MLP -> torch.onnx.export (TorchScript exporter, opset 18) -> fusedserve.models.from_onnx; "
           "host float32 rows in and out; fusedserve ModelRunner.run vs onnxruntime InferenceSession.run on the "
-          "same file (intra-op spinning off), called alternately, median us per call")
+          "same file (intra-op spinning off), called in pairs whose order flips every pair, median us per call")
 HTTP_METHOD = ("torch MLP -> torch.onnx.export (TorchScript exporter, opset 18) -> fusedserve.models.from_onnx into a "
                "model repository, the .onnx file beside it; fusedserve serve vs a FastAPI app calling onnxruntime "
                "InferenceSession.run inline (bench/peers/naive_fastapi.py create_onnx_app, uvicorn); JSON POST /infer "
@@ -89,19 +91,6 @@ def ort_session(path: Path):
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = onnxruntime.InferenceSession(str(path), options, providers=ort_providers("cuda"))
     return session, session.get_providers()[0]
-
-
-def alternate(ours, theirs, calls: int) -> tuple[float, float]:
-    """Median microseconds per call of each, called A B A B."""
-    a, b = [], []
-    for _ in range(calls):
-        start = time.perf_counter()
-        ours()
-        middle = time.perf_counter()
-        theirs()
-        a.append(middle - start)
-        b.append(time.perf_counter() - middle)
-    return statistics.median(a) * 1e6, statistics.median(b) * 1e6
 
 
 def measure(spec, folder: Path, dtype: str, batches, calls: int, emit) -> str:
