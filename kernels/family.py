@@ -40,3 +40,7 @@ class KernelFamily:
     # Problems the family runs before tuning ahead of the provisional table and of the families
     # before it (``kernels.provisional``): a class of problems the others are measured to lose.
     provisional_first: Callable[[Problem], bool] = lambda p: False
+    # provisional_config(problem, candidates, measured): the config to start on before tuning, given
+    # the family's candidates and the config it won with at the nearest measured shape ({}: none);
+    # None: the candidate sharing most values with the measured one (``provisional.closest_config``).
+    provisional_config: Callable[[Problem, list[dict], dict], dict] | None = None

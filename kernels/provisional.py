@@ -128,12 +128,14 @@ def provisional_choice(problem: Problem, families, entries, static_weight: bool 
     for family in families:
         candidates = family.candidates(timed) if family.provisional_first(timed) else None
         if candidates:
-            return family.name, _nearest_config(family.name, candidates, ranked), "rules"
+            measured = next((e.config for e in ranked if e.kernel == family.name), {})
+            return family.name, start_config(family, timed, candidates, measured), "rules"
     by_name = {f.name: f for f in families}
     for entry in ranked:
-        candidates = by_name[entry.kernel].candidates(timed) if entry.kernel in by_name else None
+        family = by_name.get(entry.kernel)
+        candidates = family.candidates(timed) if family is not None else None
         if candidates:
-            return entry.kernel, closest_config(candidates, entry.config), "table"
+            return entry.kernel, start_config(family, timed, candidates, entry.config), "table"
     for family in families:
         candidates = family.candidates(timed)
         if candidates:
@@ -141,11 +143,12 @@ def provisional_choice(problem: Problem, families, entries, static_weight: bool 
     raise ValueError(f"no family has a config for M={problem.M} N={problem.N} K={problem.K} {problem.dtype}")
 
 
-def _nearest_config(name: str, candidates: list[dict], ranked) -> dict:
-    """For a family that claimed the problem: its candidate closest to its nearest measured config,
-    else its first candidate."""
-    entry = next((e for e in ranked if e.kernel == name), None)
-    return dict(candidates[0]) if entry is None else closest_config(candidates, entry.config)
+def start_config(family, problem: Problem, candidates: list[dict], measured: dict) -> dict:
+    """The family's config to start ``problem`` on, from its ``candidates`` and the config it won with
+    at the nearest measured shape (``{}``: none there, so its first candidate unless the family says)."""
+    if family.provisional_config is not None:
+        return dict(family.provisional_config(problem, candidates, measured))
+    return closest_config(candidates, measured) if measured else dict(candidates[0])
 
 
 def near_candidates(problem: Problem, families, entries, static_weight: bool = False,

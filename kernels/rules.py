@@ -28,6 +28,12 @@ GLUON_SMALL_M_MAX = 256
 # Past this many rows the warp-specialized Gluon kernel competes.
 GLUON_WS_MIN_M = 32
 _TMA_ALIGN = 16  # TMA's alignment of base addresses and row pitches, in bytes
+# Rows of W a weight-streaming tile holds (the Gluon kernel's BLOCK_N): what the grid is counted in.
+W_TILE_ROWS = 64
+# K shorter than this is less than one K block of the GEMV (triton_small_m's one-row variant).
+SHORT_K = 1024
+# K at least this long over at most ``FEW_W_TILES`` W tiles: too few programs stream too much K.
+LONG_K, FEW_W_TILES = 8192, 8
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,23 @@ class Problem:
     def hopper_tma(self) -> bool:
         """Whether the Hopper TMA kernels can run it: sm_90, fp16/bf16, TMA-aligned rows."""
         return self.hopper and self.half and self.tma_aligned
+
+
+def w_tiles(p: Problem) -> int:
+    """W's tiles of ``W_TILE_ROWS`` rows: the programs a weight-streaming kernel runs per row tile."""
+    return -(-p.N // W_TILE_ROWS)
+
+
+def short_and_wide(p: Problem) -> bool:
+    """K under ``SHORT_K`` over enough W tiles to fill half the SMs: many short weight rows, where a
+    weight-streaming kernel wants short K tiles and the GEMV's 1024-wide K blocks are mostly empty."""
+    return p.K < SHORT_K and w_tiles(p) >= SMS // 2
+
+
+def few_tiles_long_k(p: Problem) -> bool:
+    """At most ``FEW_W_TILES`` W tiles over a K of ``LONG_K`` or more: our kernels split K at most in
+    a few parts, so a handful of programs stream all of it while most SMs idle."""
+    return p.K >= LONG_K and w_tiles(p) <= FEW_W_TILES
 
 
 def tma_compatible(*tensors) -> bool:

@@ -37,7 +37,8 @@ from fusedserve.kernels.gluon.common import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, SMS
+from fusedserve.kernels.provisional import closest_config
+from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, SMS, short_and_wide, w_tiles
 from fusedserve.kernels.triton.small_m import tile_counters
 
 NAME = "gluon_small_m"
@@ -278,5 +279,32 @@ def _unfit(p):
     return hopper_unfit(p)
 
 
+# Before tuning, K is split in two where fewer programs than this stream a K at least this long: 63 of
+# the 64 tuned H100 shapes of the table agree (docs/kernels.md, "Provisional choices").
+_SPLIT_BELOW_PROGRAMS, _SPLIT_MIN_K = 32, 3072
+# Up to this many rows (one X tile of wgmma's narrowest n) short and wide layers start on 128-wide K tiles.
+_SHORT_TILE_MAX_M = 8
+
+
+def _provisional_first(p) -> bool:
+    """One short and wide 16-bit row (``rules.short_and_wide``): this kernel ran it 1.25-1.75x faster
+    than the GEMV, which claims the other single rows."""
+    return p.M == 1 and p.hopper_tma and short_and_wide(p)
+
+
+def _provisional_config(p, configs: list[dict], measured: dict) -> dict:
+    """The candidate closest to the measured config, its K tiles 128 wide where K is short and W
+    wide at up to 8 rows (they won all 6 such tuned H100 shapes) and K split in two where few programs
+    stream a long K (``_SPLIT_BELOW_PROGRAMS``, ``_SPLIT_MIN_K``)."""
+    want = dict(measured)
+    if p.M <= _SHORT_TILE_MAX_M and short_and_wide(p):
+        want["BLOCK_K"] = 128
+    programs = w_tiles(p) * triton.cdiv(p.M, measured.get("BLOCK_M", block_m(p.M)))
+    want["SPLIT_K"] = 2 if programs < _SPLIT_BELOW_PROGRAMS and p.K >= _SPLIT_MIN_K else 1
+    fitting = [c for c in configs if all(c[k] == want[k] for k in ("BLOCK_K", "SPLIT_K") if k in want)]
+    return closest_config(fitting or configs, want)
+
+
 FAMILY = KernelFamily(NAME, unfit=_unfit, offered=lambda p: True,
-                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch)
+                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
+                      provisional_first=_provisional_first, provisional_config=_provisional_config)

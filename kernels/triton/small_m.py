@@ -20,7 +20,8 @@ import triton.language as tl
 from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.precision import dot_precision
-from fusedserve.kernels.rules import MID_M_MAX, SMALL_M_MAX, SMS
+from fusedserve.kernels.provisional import closest_config
+from fusedserve.kernels.rules import MID_M_MAX, SMALL_M_MAX, SMS, short_and_wide
 from fusedserve.kernels.triton.common import aligned, dot_acc, k_align, launch_dependents_then_wait
 
 NAME = "triton_small_m"
@@ -422,12 +423,23 @@ def _offered(p):
 
 
 def _provisional_first(p) -> bool:
-    """One 16-bit row: the GEMV won every tuned shape with static weights (H100 5 of 5, H200 27 of
-    27) while the table's nearest shape sometimes named the Gluon kernel, 1.35-1.55x slower there
-    (docs/kernels.md, "Provisional choices")."""
-    return p.M == 1 and p.half
+    """One 16-bit row: the GEMV won every tuned shape with static weights on the H200 and all but the
+    short and wide ones on the H100, while the table's nearest shape sometimes named the Gluon
+    kernel, 1.35-1.55x slower there. Short and wide rows (``rules.short_and_wide``) are the Gluon
+    kernel's where it runs: the GEMV ran them 1.25-1.75x slower (docs/kernels.md, "Provisional
+    choices")."""
+    return p.M == 1 and p.half and not (p.hopper_tma and short_and_wide(p))
+
+
+def _provisional_config(p, configs: list[dict], measured: dict) -> dict:
+    """One row starts on the GEMV (the config closest to the measured one among its variants):
+    that is what ``_provisional_first`` claims it for, whatever the nearest measured shape ran."""
+    gemv = [c for c in configs if c.get("GEMV")] if p.M == 1 else []
+    pool = gemv or configs
+    return closest_config(pool, measured) if measured else dict(pool[0])
 
 
 FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=_offered,
                       candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
-                      interpret_config=INTERPRET_CONFIG, provisional_first=_provisional_first)
+                      interpret_config=INTERPRET_CONFIG, provisional_first=_provisional_first,
+                      provisional_config=_provisional_config)

@@ -63,6 +63,42 @@ def test_one_sixteen_bit_row_starts_on_the_gemv(gpu, N, K, dtype):
     assert (kernel, source, config.get("GEMV")) == ("triton_small_m", "rules", True)
 
 
+@pytest.mark.parametrize("gpu", [H200, "NVIDIA H100 80GB HBM3"])
+@pytest.mark.parametrize("N, K", [(8192, 256), (12912, 368), (11152, 1016)])
+def test_one_short_and_wide_row_starts_on_the_gluon_kernel_with_short_k_tiles(gpu, N, K):
+    # Rule: on the H100 the Gluon kernel with 128-wide K tiles beat the GEMV 1.25-1.75x on one row of
+    # K < 1024 over >= 66 W tiles (kernels.jsonl:36-37); elsewhere the GEMV keeps its claim.
+    problem = hopper(1, N, K, torch.float16)
+    kernel, config, source = provisional_choice(problem, registry.offered(problem), provisional.table(gpu),
+                                                static_weight=True)
+    assert (kernel, source, config["BLOCK_K"], config["SPLIT_K"]) == ("gluon_small_m", "rules", 128, 1)
+    assert config in registry.family(kernel).candidates(problem)
+    off_hopper = Problem(1, N, K, torch.float16, (8, 0), True)
+    kernel, config, _ = provisional_choice(off_hopper, registry.offered(off_hopper), provisional.table(gpu))
+    assert (kernel, config.get("GEMV")) == ("triton_small_m", True), "no Gluon off Hopper: the GEMV's"
+
+
+@pytest.mark.parametrize("N, K, split", [(1208, 13536, 2), (496, 5016, 2), (1208, 2048, 1), (2408, 10384, 1)])
+def test_the_gluon_kernel_starts_split_where_few_programs_stream_a_long_k(N, K, split):
+    # Rule: 63 of the 64 tuned H100 Gluon shapes split K in two exactly where fewer than 32 programs
+    # stream a K of 3072 or more (M=3 N=1208 K=13536: unsplit ran 1.19x slower, kernels.jsonl:37).
+    problem = hopper(4, N, K)
+    family = registry.family("gluon_small_m")
+    measured = {"BLOCK_N": 64, "BLOCK_M": 8, "BLOCK_K": 256, "SPLIT_K": 1, "STAGES": 5, "num_warps": 4}
+    config = provisional.start_config(family, problem, family.candidates(problem), measured)
+    assert (config["SPLIT_K"], config["BLOCK_K"]) == (split, 256), "the measured K tile kept"
+    assert config in family.candidates(problem)
+
+
+def test_a_family_without_its_own_rule_starts_on_the_closest_or_first_candidate():
+    family = registry.family("triton_tiled")
+    assert family.provisional_config is None
+    problem = hopper(300, 1024, 1024)
+    candidates = family.candidates(problem)
+    assert provisional.start_config(family, problem, candidates, {}) == candidates[0]
+    assert provisional.start_config(family, problem, candidates, candidates[2]) == candidates[2]
+
+
 def test_a_claiming_family_takes_its_nearest_measured_config():
     problem = hopper(1, 1024, 1024)
     candidates = registry.family("triton_small_m").candidates(problem)
@@ -73,6 +109,7 @@ def test_a_claiming_family_takes_its_nearest_measured_config():
     assert (kernel, config, source) == ("triton_small_m", measured, "rules")
     kernel, config, _ = provisional_choice(problem, registry.offered(problem), entries[:1], static_weight=True)
     assert (kernel, config) == ("triton_small_m", candidates[0]), "no entry of its own: its first candidate"
+    assert candidates[0].get("GEMV"), "one row starts on the GEMV"
 
 
 def test_no_table_falls_back_to_the_rules():

@@ -172,6 +172,31 @@ def test_sixteen_bit_past_64_rows_starts_on_the_library(M, dtype, gpu):
     assert (kernel, source) == (VENDOR, "rules") and config in OPS
 
 
+@pytest.mark.parametrize("M, N, K", [(122, 1000, 1184), (333, 616, 624), (791, 520, 352)])
+def test_small_layers_past_64_rows_start_on_the_tables_family(M, N, K):
+    # Rule: held out of the table, small layers past 64 rows ran the library at up to 1.63x the tuned
+    # time (tools/provisional_check.py over kernels.jsonl:30-37: 7 shapes over 1.05x, 10 before).
+    problem = Problem(M, N, K, torch.float16, HOPPER, True)
+    kernel, _, source = provisional.provisional_choice(problem, registry.offered(problem),
+                                                       provisional.table("NVIDIA H100 80GB HBM3"))
+    assert (kernel != VENDOR, source) == (True, "table")
+
+
+@pytest.mark.parametrize("M, N, K", [(2, 288, 12320), (45, 352, 15520), (64, 512, 8192)])
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_a_few_w_tiles_over_a_long_k_start_on_the_library(M, N, K, gpu):
+    # Rule: tuned, the library won all 3 such H100 shapes, up to 1.65x faster than the Gluon kernel
+    # the table's nearest shape named (kernels.jsonl:37, M=45 N=352 K=15520).
+    problem = Problem(M, N, K, torch.float16, HOPPER, True)
+    kernel, _, source = provisional.provisional_choice(problem, registry.offered(problem), provisional.table(gpu))
+    assert (kernel, source) == (VENDOR, "rules")
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 352, 15520), (45, 576, 15520), (45, 352, 8184)])
+def test_one_row_more_tiles_or_a_shorter_k_are_not_claimed(M, N, K):
+    assert not registry.family(VENDOR).provisional_first(Problem(M, N, K, torch.float16, HOPPER, True))
+
+
 @pytest.mark.parametrize("M, K, dtype, capability", [
     (1024, 4096, torch.float32, HOPPER),  # K a multiple of 16: our 3xTF32 beat SGEMM 1.5-1.9x
     (1164, 10344, torch.float32, HOPPER),  # K a multiple of 8: split-K beat SGEMM 2.27x (kernels.jsonl:35)
