@@ -137,6 +137,10 @@ def main(argv=None):
                    max_batch_size=args.max_batch_size, triton_cache="fresh" if "triton-cache-" in
                    os.environ["TRITON_CACHE_DIR"] else "given")
     rows = []
+    if args.ahead:  # as an engine starts it, before it loads its models
+        from fusedserve.models import aot
+
+        aot.start_compile_server()
     for sizes, dtype in args.models:
         log(f"model {sizes} {dtype}")
         rows += (measure_ahead if args.ahead else measure)(sizes, dtype, args.max_batch_size, log)

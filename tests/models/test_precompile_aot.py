@@ -168,3 +168,21 @@ def test_compile_processes_run_torch_on_one_thread():
 
     for initializer in (aot._log_to_stderr, aot._throwaway_tune_cache):
         assert aot._run_in_pool(torch.get_num_threads, [()], 1, initializer) == [1]
+
+
+@pytest.mark.timeout(120)
+def test_compile_processes_fork_from_one_server_and_see_todays_environment(monkeypatch):
+    # The compile server imports torch once (4.7 s per process on a fresh GPU host) and every pool
+    # forks from it; a variable set after it started still reaches the compile processes.
+    aot.start_compile_server()
+    aot.start_compile_server()  # again: the one already running serves
+    monkeypatch.setenv("FUSEDSERVE_PROBE", "set after the server started")
+    [(seen, parent)] = aot._run_in_pool(_probe, [()], 1, aot._log_to_stderr)
+    assert seen == "set after the server started"
+    assert parent != os.getpid(), "a process of its own"
+    [(_, parent_again)] = aot._run_in_pool(_probe, [()], 1, aot._log_to_stderr)
+    assert parent_again == parent, "forked from the same server"
+
+
+def _probe():
+    return os.environ.get("FUSEDSERVE_PROBE"), os.getppid()

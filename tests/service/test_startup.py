@@ -28,3 +28,26 @@ async def test_each_phase_is_logged_once_and_shown_in_kernel_stats(info_logs, cl
         assert len([line for line in lines if line.startswith(f"start-up: {phase}")]) == 1, (phase, lines)
     ready = [line for line in lines if line.startswith("ready after")]
     assert len(ready) == 1 and re.fullmatch(r"ready after \d+\.\d s since start: \['tiny', 'wide'\]", ready[0]), ready
+
+
+@pytest.mark.parametrize("device, tuning, started",
+                         [("cuda", True, True), ("cpu", True, False), ("cuda", False, False)])
+async def test_the_compile_server_starts_before_warm_up_where_cuda_models_will_tune(monkeypatch, device, tuning,
+                                                                                    started):
+    # Its torch import then runs beside the warm-up, not in front of the first model's tuning.
+    from types import SimpleNamespace
+
+    from fusedserve.models import aot
+    from fusedserve.service.engine import startup
+
+    calls = []
+    monkeypatch.setattr(aot, "start_compile_server", lambda: calls.append("server"))
+
+    async def warm_up(state, runners):
+        calls.append("warm-up")
+        return []
+
+    monkeypatch.setattr(startup, "_warm_up", warm_up)
+    state = SimpleNamespace(settings=SimpleNamespace(background_tuning=tuning))
+    await startup.warm_up_and_serve(state, [SimpleNamespace(device=SimpleNamespace(type=device))])
+    assert calls == (["server", "warm-up"] if started else ["warm-up"])
