@@ -138,9 +138,9 @@ def main(argv=None):
                    os.environ["TRITON_CACHE_DIR"] else "given")
     rows = []
     if args.ahead:  # as an engine starts it, before it loads its models
-        from fusedserve.models import aot
+        from fusedserve.models import precompile
 
-        aot.start_compile_server()
+        precompile.start_compile_server()
     for sizes, dtype in args.models:
         log(f"model {sizes} {dtype}")
         rows += (measure_ahead if args.ahead else measure)(sizes, dtype, args.max_batch_size, log)

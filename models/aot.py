@@ -19,7 +19,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import multiprocessing
 import os
 import re
 import tempfile
@@ -38,7 +37,7 @@ from fusedserve.kernels.rules import batch_buckets
 from fusedserve.models import tune_worker
 from fusedserve.models.launchers import Launchers
 from fusedserve.models.loading import latest_version, model_directories, read_config
-from fusedserve.models.precompile import default_workers
+from fusedserve.models.precompile import default_workers, log_to_stderr, run_in_pool, throwaway_tune_cache
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +226,7 @@ def every_candidate():
     """Within the block, tuning (mode "tune") launches every candidate of its search
     (``kernels.choosing.SEARCH_ENV``) and times nothing: under ``virtual_gpu`` each launch compiles.
     What it would keep is meaningless, so only a process whose tune cache is a throwaway one may
-    run it (``_throwaway_tune_cache``)."""
+    run it (``throwaway_tune_cache``)."""
     from fusedserve.kernels import choosing, provisional, tuning
 
     def timer(run):
@@ -242,27 +241,6 @@ def every_candidate():
     finally:
         choosing.default_timer, tuning.default_timer = saved
         tuning._rotating_bytes.reset(copies)
-
-
-def _throwaway_tune_cache() -> None:
-    """A compile process for ``every_candidate`` (background tuning's, beside a serving process): an
-    empty tune cache of its own, idle CPU priority, and progress lines."""
-    from fusedserve.kernels import tune_cache
-
-    os.environ[tune_cache.ENV_VAR] = tempfile.mkdtemp(prefix="fusedserve-candidates-")
-    idle_priority()
-    _log_to_stderr()
-
-
-def idle_priority() -> None:
-    """Run this process, and the compilers it starts, only on CPU time the server leaves idle:
-    Linux's SCHED_IDLE class, else the lowest nice. At nice 10 these compiles took throughput
-    from a loaded server (docs/performance.md)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or not allowed here
-        if hasattr(os, "nice"):
-            os.nice(19)
 
 
 def compile_task(target: Target, name: str, config: dict, max_batch_size: int, buckets: list[int],
@@ -381,8 +359,8 @@ def compile_layer_candidates(target: Target, shapes, jobs: int | None = None) ->
     so timing them later compiles nothing; the launches compiled."""
     shapes = [(M, N, K, str(dtype).removeprefix("torch.")) for M, N, K, dtype in shapes]
     jobs = max(1, min(jobs or default_workers(), len(shapes)))
-    return sum(_run_in_pool(compile_layer_task, [(target, shapes[i::jobs]) for i in range(jobs)], jobs,
-                            _throwaway_tune_cache))
+    return sum(run_in_pool(compile_layer_task, [(target, shapes[i::jobs]) for i in range(jobs)], jobs,
+                            throwaway_tune_cache))
 
 
 def _compile_in_pool(keys, buckets, max_batch_size, jobs, launchers, candidates=False, progress=None) -> list[int]:
@@ -393,52 +371,8 @@ def _compile_in_pool(keys, buckets, max_batch_size, jobs, launchers, candidates=
     shares = max(1, round(jobs / len(keys))) if keys else 1
     tasks = [(*key, max_batch_size, buckets, launchers, candidates, (i, shares), progress)
              for key in keys for i in range(shares)]
-    results = _run_in_pool(compile_task, tasks, jobs, _throwaway_tune_cache if candidates else _log_to_stderr)
+    results = run_in_pool(compile_task, tasks, jobs, throwaway_tune_cache if candidates else log_to_stderr)
     return [sum(counts) for counts in zip(*results, strict=True)] if results else [0, 0]
-
-
-def _run_in_pool(task, argument_lists, jobs: int, initializer) -> list:
-    """``task(*arguments)`` for each of ``argument_lists`` in a pool of up to ``jobs`` fresh
-    processes (forked from the compile server: no state from this one but its environment) set up by
-    ``initializer``; their results in order."""
-    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(argument_lists))),
-                                                mp_context=_compile_server(), initializer=_in_environment,
-                                                initargs=(dict(os.environ), initializer)) as pool:
-        return [f.result() for f in [pool.submit(task, *arguments) for arguments in argument_lists]]
-
-
-def _compile_server():
-    """The multiprocessing context whose processes fork from one server process that imported this
-    module (torch's import took 4.7 s on a fresh GPU host, in each of 8 spawned processes at once);
-    that process never initializes CUDA."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    return context
-
-
-def start_compile_server() -> None:
-    """Start the compile server now, so its imports run beside this process's work and the compile
-    processes started later fork in milliseconds (it lives as long as this process)."""
-    from multiprocessing import forkserver
-
-    _compile_server()
-    forkserver.ensure_running()
-
-
-def _in_environment(environ: dict, initializer) -> None:
-    """A compile process takes the environment of the process that asked for it (the server's is
-    that of its own start), then runs ``initializer``."""
-    os.environ.clear()
-    os.environ.update(environ)
-    initializer()
-
-
-def _log_to_stderr() -> None:
-    """A compile process's progress lines (one per bucket) on stderr, and one torch thread: its tensor
-    ops stand in for GPU ones, and each of 8 processes spinning torch's threads over 16 cores took 35 s
-    of CPU for a share that needs 9 s on one thread."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(1)
 
 
 def run(args, settings) -> None:

@@ -7,13 +7,19 @@ such buckets of every runner are compiled first by up to ``max_workers`` process
 (``models.tune_worker --warm``: the same provisional choices, nothing timed or captured), filling
 Triton's cache, and then warmed here from it. With a warm Triton cache nothing is started. A worker
 that fails only costs time: its buckets compile here.
+
+The processes ``models.aot`` compiles in without a GPU (an image's kernels, tuning's candidates)
+fork from one compile server (``start_compile_server``), at idle CPU priority for tuning's.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import multiprocessing
 import os
 import subprocess
+import tempfile
 import time
 
 from fusedserve.models import tune_worker
@@ -91,3 +97,72 @@ def precompile(jobs, max_workers: int) -> float:
     seconds = time.perf_counter() - start
     log.info("compile workers done in %.1f s", seconds)
     return seconds
+
+
+# Compile processes that need no GPU (models.aot: an image's kernels, tuning's candidates ahead).
+
+def run_in_pool(task, argument_lists, jobs: int, initializer) -> list:
+    """``task(*arguments)`` for each of ``argument_lists`` in a pool of up to ``jobs`` fresh
+    processes (forked from the compile server: no state from this one but its environment) set up by
+    ``initializer``; their results in order."""
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(jobs, len(argument_lists))),
+                                                mp_context=_compile_server(), initializer=_in_environment,
+                                                initargs=(dict(os.environ), initializer)) as pool:
+        return [f.result() for f in [pool.submit(task, *arguments) for arguments in argument_lists]]
+
+
+def _compile_server():
+    """The multiprocessing context whose processes fork from one server process that imported this
+    module (torch's import took 4.7 s on a fresh GPU host, in each of 8 spawned processes at once);
+    that process never initializes CUDA."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["fusedserve.models.aot"])  # the compile tasks' module
+    return context
+
+
+def start_compile_server() -> None:
+    """Start the compile server now, so its imports run beside this process's work and the compile
+    processes started later fork in milliseconds (it lives as long as this process)."""
+    from multiprocessing import forkserver
+
+    _compile_server()
+    forkserver.ensure_running()
+
+
+def _in_environment(environ: dict, initializer) -> None:
+    """A compile process takes the environment of the process that asked for it (the server's is
+    that of its own start), then runs ``initializer``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    initializer()
+
+
+def log_to_stderr() -> None:
+    """A compile process's progress lines (one per bucket) on stderr, and one torch thread: its tensor
+    ops stand in for GPU ones, and each of 8 processes spinning torch's threads over 16 cores took 35 s
+    of CPU for a share that needs 9 s on one thread."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def throwaway_tune_cache() -> None:
+    """A compile process for ``every_candidate`` (background tuning's, beside a serving process): an
+    empty tune cache of its own, idle CPU priority, and progress lines."""
+    from fusedserve.kernels import tune_cache
+
+    os.environ[tune_cache.ENV_VAR] = tempfile.mkdtemp(prefix="fusedserve-candidates-")
+    idle_priority()
+    log_to_stderr()
+
+
+def idle_priority() -> None:
+    """Run this process, and the compilers it starts, only on CPU time the server leaves idle:
+    Linux's SCHED_IDLE class, else the lowest nice. At nice 10 these compiles took throughput
+    from a loaded server (docs/performance.md)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not allowed here
+        if hasattr(os, "nice"):
+            os.nice(19)

@@ -127,9 +127,9 @@ async def warm_up_and_serve(state: ServiceState, runners: list) -> None:
     """Warm every runner up, then start one batcher per model and, where a bucket started on a
     provisional kernel choice, the background tuner."""
     if state.settings.background_tuning and any(r.device.type == "cuda" for r in runners):
-        from fusedserve.models import aot
+        from fusedserve.models import precompile
 
-        aot.start_compile_server()  # its imports run during warm-up; tuning's compiles fork from it
+        precompile.start_compile_server()  # its imports run during warm-up; tuning's compiles fork from it
     runners = await _warm_up(state, runners)
     if not runners:
         return

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fusedserve.models import MLP, MLPConfig, aot, save_model
+from fusedserve.models import MLP, MLPConfig, aot, precompile, save_model
 
 
 def test_targets_default_to_the_known_gpus_of_the_capability():
@@ -140,10 +140,10 @@ def test_shares_of_a_model_compile_each_kernel_once(tmp_path, h100_compiles):
     # same cache entries as one process compiling them all, and no launch counted twice.
     config = MLPConfig(64, (256,), 16, "relu", "bfloat16").to_dict()
     task = (h100_compiles, "m", config, 8, [1, 8], False, False)
-    [(whole, _)] = aot._run_in_pool(aot.compile_task, [(*task, (0, 1))], 1, aot._log_to_stderr)
+    [(whole, _)] = precompile.run_in_pool(aot.compile_task, [(*task, (0, 1))], 1, precompile.log_to_stderr)
     entries = aot.cache_entries(tmp_path / "triton")
     shutil.rmtree(tmp_path / "triton")
-    halves = aot._run_in_pool(aot.compile_task, [(*task, (i, 2)) for i in range(2)], 2, aot._log_to_stderr)
+    halves = precompile.run_in_pool(aot.compile_task, [(*task, (i, 2)) for i in range(2)], 2, precompile.log_to_stderr)
     assert sum(launches for launches, _ in halves) == whole > 0, (halves, whole)
     assert aot.cache_entries(tmp_path / "triton") == entries
 
@@ -151,7 +151,7 @@ def test_shares_of_a_model_compile_each_kernel_once(tmp_path, h100_compiles):
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 def test_background_compile_processes_and_their_children_run_at_idle_priority():
     # In a child interpreter: the class cannot be left again without privileges.
-    code = ("import os, subprocess, sys; from fusedserve.models import aot; aot.idle_priority(); "
+    code = ("import os, subprocess, sys; from fusedserve.models import precompile; precompile.idle_priority(); "
             "child = subprocess.run([sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'], "
             "capture_output=True, text=True, check=True).stdout.strip(); "
             "print(os.sched_getscheduler(0), child)")
@@ -166,21 +166,21 @@ def test_compile_processes_run_torch_on_one_thread():
     # every core starved each other (35 s of CPU per process on a 16-core host, for 9 s of work).
     import torch
 
-    for initializer in (aot._log_to_stderr, aot._throwaway_tune_cache):
-        assert aot._run_in_pool(torch.get_num_threads, [()], 1, initializer) == [1]
+    for initializer in (precompile.log_to_stderr, precompile.throwaway_tune_cache):
+        assert precompile.run_in_pool(torch.get_num_threads, [()], 1, initializer) == [1]
 
 
 @pytest.mark.timeout(120)
 def test_compile_processes_fork_from_one_server_and_see_todays_environment(monkeypatch):
     # The compile server imports torch once (4.7 s per process on a fresh GPU host) and every pool
     # forks from it; a variable set after it started still reaches the compile processes.
-    aot.start_compile_server()
-    aot.start_compile_server()  # again: the one already running serves
+    precompile.start_compile_server()
+    precompile.start_compile_server()  # again: the one already running serves
     monkeypatch.setenv("FUSEDSERVE_PROBE", "set after the server started")
-    [(seen, parent)] = aot._run_in_pool(_probe, [()], 1, aot._log_to_stderr)
+    [(seen, parent)] = precompile.run_in_pool(_probe, [()], 1, precompile.log_to_stderr)
     assert seen == "set after the server started"
     assert parent != os.getpid(), "a process of its own"
-    [(_, parent_again)] = aot._run_in_pool(_probe, [()], 1, aot._log_to_stderr)
+    [(_, parent_again)] = precompile.run_in_pool(_probe, [()], 1, precompile.log_to_stderr)
     assert parent_again == parent, "forked from the same server"
 
 

@@ -37,11 +37,11 @@ async def test_the_compile_server_starts_before_warm_up_where_cuda_models_will_t
     # Its torch import then runs beside the warm-up, not in front of the first model's tuning.
     from types import SimpleNamespace
 
-    from fusedserve.models import aot
+    from fusedserve.models import precompile
     from fusedserve.service.engine import startup
 
     calls = []
-    monkeypatch.setattr(aot, "start_compile_server", lambda: calls.append("server"))
+    monkeypatch.setattr(precompile, "start_compile_server", lambda: calls.append("server"))
 
     async def warm_up(state, runners):
         calls.append("warm-up")
