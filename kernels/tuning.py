@@ -16,6 +16,10 @@ _FIRST_REPEATS = 5
 _FINALISTS = 3
 _FINAL_ROUNDS = 4
 _FINAL_REPEATS = 5
+# Per candidate, the milliseconds of its calls the first round, and the final rounds together, sample
+# at most (one sample at least, and one per final round): a first call on a large layer timed 20
+# samples of ~10 ms calls per finalist (2.4 s at M=3024 N=16040 K=4216 fp32), whose spread is small.
+_SAMPLE_BUDGET_MS = 20.0
 # Copies of a layer's arguments together exceed an H200's 50 MB L2, so each timed call reads its
 # weights from HBM, as a layer does when other layers run in between (small layers get at most
 # _MAX_SETS copies; together they may still fit in L2, as they would in serving).
@@ -61,12 +65,20 @@ def _sampler(timer, run, candidate):
         timing_candidate.reset(naming)
 
 
+def _within_budget(samples: int, ms_per_call: float) -> int:
+    """``samples``, or fewer (at least 1) where that many calls of ``ms_per_call`` exceed the budget."""
+    return max(1, min(samples, int(_SAMPLE_BUDGET_MS / max(ms_per_call, 1e-9))))
+
+
 def _first_round(candidates, run, timer):
     """``[(median ms, candidate)]`` of every candidate that runs, and the last failure."""
     timings, failure = [], None
     for candidate in candidates:
         try:
-            timings.append((_median(_sampler(timer, run, candidate)(_FIRST_REPEATS)), candidate))
+            sampler = _sampler(timer, run, candidate)
+            samples = sampler(1)
+            samples += sampler(_within_budget(_FIRST_REPEATS, samples[0]) - 1)
+            timings.append((_median(samples), candidate))
         except DOES_NOT_FIT as e:
             failure = e
         except Exception as e:
@@ -81,8 +93,9 @@ def time_configs(candidates, run, timer=None):
     """Median milliseconds of ``run(candidate)`` for each candidate, and the fastest candidate.
 
     ``timer(fn)`` builds a sampler ``repeats -> [ms, ...]`` for a zero-argument call (default:
-    CUDA-graph replays). Each candidate gets ``_FIRST_REPEATS`` samples; the ``_FINALISTS`` fastest
-    are timed again with fresh samplers in interleaved rounds, and the best median of those wins.
+    CUDA-graph replays). Each candidate gets ``_FIRST_REPEATS`` samples (fewer for long calls, see
+    ``_SAMPLE_BUDGET_MS``); the ``_FINALISTS`` fastest are timed again with fresh samplers in
+    interleaved rounds, and the best median of those wins.
     Returns ``([(ms, candidate), ...] first-round medians, best candidate)``.
 
     A candidate that does not fit the GPU is skipped quietly, one that fails otherwise (say an
@@ -99,9 +112,11 @@ def time_configs(candidates, run, timer=None):
         return timings, finalists[0]
     samplers = [_sampler(timer, run, c) for c in finalists]
     samples = [[] for _ in finalists]
+    fastest_ms = min(ms for ms, _ in timings)
+    repeats = max(1, _within_budget(_FINAL_ROUNDS * _FINAL_REPEATS, fastest_ms) // _FINAL_ROUNDS)
     for _ in range(_FINAL_ROUNDS):
         for sampler, into in zip(samplers, samples, strict=True):
-            into += sampler(_FINAL_REPEATS)
+            into += sampler(repeats)
         _pause()
     medians = [_median(s) for s in samples]
     return timings, finalists[medians.index(min(medians))]

@@ -154,3 +154,24 @@ def test_tuning_yields_between_candidates_and_a_raise_there_stops_it():
 
     with tuning.yielding(stop), pytest.raises(KeyboardInterrupt):
         tuning.time_configs(["a", "b"], lambda o: o, timer=fake_timer({"a": 1.0, "b": 2.0}))
+
+
+def test_long_calls_take_fewer_samples_short_ones_all_of_them():
+    # A first call on a large layer: ~10 ms calls get 2 first-round samples (20 ms) and one per final
+    # round; the calls of a small layer every sample (the spread of a few us is what must be beaten).
+    def drawn(ms_by_name):
+        taken = {name: 0 for name in ms_by_name}
+
+        def timer(run):
+            name = run()
+            return lambda repeats: [taken.__setitem__(name, taken[name] + 1) or ms_by_name[name]
+                                    for _ in range(repeats)]
+        tuning.time_configs(list(ms_by_name), lambda o: o, timer=timer)
+        return taken
+
+    rounds = tuning._FINAL_ROUNDS
+    assert drawn({"a": 10.0, "b": 10.0}) == {"a": 2 + rounds, "b": 2 + rounds}
+    assert drawn({"a": 10.0, "b": 30.0})["b"] == 1 + rounds, "past the budget in one call: one sample"
+    everything = tuning._FIRST_REPEATS + rounds * tuning._FINAL_REPEATS
+    assert drawn({"a": 0.01, "b": 0.011}) == {"a": everything, "b": everything}
+    assert drawn({"a": 0.01, "b": 50.0}) == {"a": everything, "b": 1 + everything - tuning._FIRST_REPEATS}
