@@ -2,9 +2,11 @@
 bucket is tuned, so a model is ready after compiling and capturing, and tuning can come later.
 
 First, a family may claim a class of problems the others are measured to lose
-(``KernelFamily.provisional_first``: the vendor's GEMM claims float32 with K off a multiple of 4
-and 16-bit past 64 rows, ``triton_small_m`` one 16-bit row); it runs its candidate closest to its
-nearest measured config there (its first where the table has none). Otherwise the choice comes
+(``KernelFamily.provisional_first``: the vendor's GEMM claims float32 with K off a multiple of 4,
+16-bit layers past 64 rows but small ones, and a few W tiles over a long K; ``triton_small_m`` one
+16-bit row, ``gluon_small_m`` one short and wide one); it runs its candidate closest to its nearest
+measured config there (its first where the table has none), or what the family fits to the problem
+from that config (``KernelFamily.provisional_config``). Otherwise the choice comes
 from a table shipped in the package per GPU model and Triton version
 (``tables/<gpu>-triton-<version>.json``, built by
 ``tools/provisional_table.py`` from the measured winners in ``bench/results/kernels.jsonl``): the

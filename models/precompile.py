@@ -112,11 +112,11 @@ def run_in_pool(task, argument_lists, jobs: int, initializer) -> list:
 
 
 def _compile_server():
-    """The multiprocessing context whose processes fork from one server process that imported this
-    module (torch's import took 4.7 s on a fresh GPU host, in each of 8 spawned processes at once);
-    that process never initializes CUDA."""
+    """The multiprocessing context whose processes fork from one server process that imported
+    ``models.aot``, the compile tasks' module (torch's import took 4.7 s on a fresh GPU host, in each
+    of 8 spawned processes at once); that process never initializes CUDA."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["fusedserve.models.aot"])  # the compile tasks' module
+    context.set_forkserver_preload(["fusedserve.models.aot"])
     return context
 
 
@@ -141,9 +141,9 @@ def log_to_stderr() -> None:
     """A compile process's progress lines (one per bucket) on stderr, and one torch thread: its tensor
     ops stand in for GPU ones, and each of 8 processes spinning torch's threads over 16 cores took 35 s
     of CPU for a share that needs 9 s on one thread."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
 
 
