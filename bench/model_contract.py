@@ -235,7 +235,8 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         log(f"  {spec[0]:22s} batch {batch:4d}: fusedserve {ours_us:8.1f} us, torch graph {torch_us:8.1f} us "
             f"({torch_us / ours_us:.2f}x); device {row['fusedserve_device_us']:.1f} vs {peer_device_us:.1f} us, "
             f"replay+sync {ours_replay_us:.1f} vs {torch_replay_us:.1f} us, "
-            f"ours called as the peer {peer_style_us:.1f} us (run() {run_again_us - peer_style_us:+.1f} us)"
+            f"ours called as the peer {peer_style_us:.1f} us (run() {run_again_us - peer_style_us:+.1f} us), "
+            f"first of a fixed pair {row['order_penalty_us']:+.1f} us"
             f"{'' if row['graph'] else ', EAGER'}{' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
         log(f"    {' | '.join(row['kernels'])}")
         del peer
