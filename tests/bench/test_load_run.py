@@ -2,18 +2,16 @@
 
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.load import main
 from bench.runs import read
-from bench.servers import read_procs, tree
 
 
 @pytest.mark.slow
-def test_a_short_run_alternates_the_servers_and_leaves_none_running(tmp_path):
+def test_a_short_run_alternates_the_servers_and_leaves_none_running(tmp_path, lingering):
     png = tmp_path / "load.png"
     main(["--servers", "fusedserve", "naive_fastapi_1w", "--models", "digits", "--clients", "2", "--rounds", "2",
           "--duration", "0.3", "--procs", "2", "--out", str(tmp_path), "--plot", str(png)])
@@ -29,10 +27,7 @@ def test_a_short_run_alternates_the_servers_and_leaves_none_running(tmp_path):
     assert len(report["targets"]) == 3  # the CPU box's; at 2 clients none of them is measured
     assert all(t["met"] is None for t in report["targets"])
     assert png.exists()
-    # Every server and load process ended; multiprocessing's resource tracker lives as long as we do.
-    left = [p for p in tree(os.getpid(), read_procs()) if p != os.getpid()
-            and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
-    assert left == []
+    assert lingering() == [], "every server and load process ended"
 
 
 @pytest.mark.slow

@@ -2,13 +2,10 @@
 JSONL line with the serving-contract rows and the provider named; with --http, end to end: fusedserve
 serve and the onnxruntime FastAPI app on loopback ports, their answers checked, both under load."""
 
-import os
-from pathlib import Path
 
 import pytest
 
 from bench import onnx_peer, runs
-from bench.servers import read_procs, tree
 
 
 @pytest.mark.timeout(180)
@@ -26,7 +23,7 @@ def test_the_quick_run_appends_one_line_with_every_batch(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)  # ~25 s on the 2-core box: both servers' start, 2 rounds x 2 client counts of 1 s each
-def test_the_quick_http_run_alternates_both_servers_and_checks_their_answers(tmp_path):
+def test_the_quick_http_run_alternates_both_servers_and_checks_their_answers(tmp_path, lingering):
     onnx_peer.main(["--http", "--quick", "--procs", "2", "--ready-timeout", "60", "--out", str(tmp_path),
                     "--note", "test"])
     [line] = runs.read(tmp_path / "onnx_peer.jsonl")
@@ -45,7 +42,4 @@ def test_the_quick_http_run_alternates_both_servers_and_checks_their_answers(tmp
     # Both compute the same float32 MLP on the CPU; only the summation order differs.
     assert answers["tolerance"] == 1e-4 and answers["max_error"][onnx_peer.QUICK_MODELS[0][0]] < 1e-4
     assert answers["bodies_per_model"] == 9
-    # Both servers and every load process ended; multiprocessing's resource tracker lives as long as we do.
-    left = [p for p in tree(os.getpid(), read_procs()) if p != os.getpid()
-            and b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
-    assert left == []
+    assert lingering() == [], "every server and load process ended"
