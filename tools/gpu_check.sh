@@ -21,7 +21,7 @@
 #   TUNING_AHEAD=1: the background tuner's way, candidates compiled ahead in parallel; TUNING_SEARCH
 #   near (default) or full).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
-#   RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16; RANDOM_PRECOMPILE=1 compiles
+#   both seeds default to one from the clock; RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16; RANDOM_PRECOMPILE=1 compiles
 #   every shape's candidates first in parallel, so more shapes fit the budget; RANDOM_SEARCH=near tunes
 #   as a server does, default full).
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
@@ -199,6 +199,9 @@ ab() {  # A/B of two checkouts, runs alternated so process-to-process drift hits
         --names "${AB_NAME_A:-this checkout}" "${AB_NAME_B:-$AB_DIR}" 2>&1 | tee -a "$log"
 }
 
+# Random shapes and models draw a seed nobody chose unless RANDOM_SEED / CONTRACT_SEED name one (the
+# run's line records it).
+fresh_seed=$(( $(date +%s) % 100000 ))
 # The kernel stages share one tune cache, as the runs of one session on one GPU.
 kernels_out=(--out "$out" --tune-cache "$out/tune_cache")
 for s in "${stages[@]}"; do
@@ -234,11 +237,11 @@ print(f\"engine code imported in {time.perf_counter() - t:.2f} s\")"; done; sort
             ${TUNING_SEARCH:+--search $TUNING_SEARCH} \
             --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
-            --seed "${RANDOM_SEED:-1}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} ${RANDOM_PRECOMPILE:+--precompile} "${kernels_out[@]}" \
+            --seed "${RANDOM_SEED:-$fresh_seed}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} ${RANDOM_PRECOMPILE:+--precompile} "${kernels_out[@]}" \
             ${RANDOM_SEARCH:+--search $RANDOM_SEARCH} \
             --plot "$out/kernels-random_$gpu.png" ;;
         model-contract-random) stage model-contract-random "${CONTRACT_LIMIT_S:-590}" python3 bench/model_contract.py \
-            --random "${CONTRACT_RANDOM:-6}" --seed "${CONTRACT_SEED:-1}" ${CONTRACT_AT_READY:+--at-ready} ${CONTRACT_QUICK:+--quick} \
+            --random "${CONTRACT_RANDOM:-6}" --seed "${CONTRACT_SEED:-$fresh_seed}" ${CONTRACT_AT_READY:+--at-ready} ${CONTRACT_QUICK:+--quick} \
             --budget-s "${CONTRACT_BUDGET_S:-420}" --out "$out" ;;
         onnx-peer) stage onnx-peer "${ONNX_LIMIT_S:-400}" python3 bench/onnx_peer.py --dtype "${ONNX_DTYPE:-float32}" \
             --out "$out" ;;
