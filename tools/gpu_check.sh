@@ -21,9 +21,9 @@
 #   TUNING_AHEAD=1: the background tuner's way, candidates compiled ahead in parallel; TUNING_SEARCH
 #   near (default) or full).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
-#   both seeds default to one from the clock; RANDOM_DTYPES, e.g. float32, draws those dtypes instead of bf16/fp16; RANDOM_PRECOMPILE=1 compiles
-#   every shape's candidates first in parallel, so more shapes fit the budget; RANDOM_SEARCH=near tunes
-#   as a server does, default full).
+#   both seeds default to one from the clock; RANDOM_DTYPES, e.g. float32, draws those dtypes instead
+#   of bf16/fp16; RANDOM_PRECOMPILE=1 compiles every shape's candidates first in parallel, so more
+#   shapes fit the budget; RANDOM_SEARCH=near tunes as a server does, default full).
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
 #   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning).
 # onnx-peer: bench/onnx_peer.py (imported ONNX models vs onnxruntime on the same file; ONNX_DTYPE; needs
