@@ -109,8 +109,9 @@ def distance(entry: Entry, problem: Problem, static_weight: bool) -> float:
 
 
 def closest_config(candidates: list[dict], wanted: dict) -> dict:
-    """``wanted`` if it is a candidate, else the candidate sharing most of its values (first on a tie):
-    a measured config is only a hint; the family's own candidates for the problem are what run."""
+    """``wanted`` if it is a candidate, else the candidate sharing most of its values (first on a tie,
+    so the first candidate for ``{}``): a measured config is only a hint; the family's own candidates
+    for the problem are what run."""
     if wanted in candidates:
         return dict(wanted)
     return dict(max(candidates, key=lambda c: sum(c.get(k) == v for k, v in wanted.items())))
@@ -150,7 +151,7 @@ def start_config(family, problem: Problem, candidates: list[dict], measured: dic
     at the nearest measured shape (``{}``: none there, so its first candidate unless the family says)."""
     if family.provisional_config is not None:
         return dict(family.provisional_config(problem, candidates, measured))
-    return closest_config(candidates, measured) if measured else dict(candidates[0])
+    return closest_config(candidates, measured)
 
 
 def near_candidates(problem: Problem, families, entries, static_weight: bool = False,

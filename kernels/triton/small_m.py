@@ -435,8 +435,7 @@ def _provisional_config(p, configs: list[dict], measured: dict) -> dict:
     """One row starts on the GEMV (the config closest to the measured one among its variants):
     that is what ``_provisional_first`` claims it for, whatever the nearest measured shape ran."""
     gemv = [c for c in configs if c.get("GEMV")] if p.M == 1 else []
-    pool = gemv or configs
-    return closest_config(pool, measured) if measured else dict(pool[0])
+    return closest_config(gemv or configs, measured)
 
 
 FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=_offered,

@@ -126,7 +126,8 @@ async def _warm_up(state: ServiceState, runners: list) -> list:
 async def warm_up_and_serve(state: ServiceState, runners: list) -> None:
     """Warm every runner up, then start one batcher per model and, where a bucket started on a
     provisional kernel choice, the background tuner."""
-    if state.settings.background_tuning and any(r.device.type == "cuda" for r in runners):
+    if state.settings.background_tuning and any(r.device.type == "cuda" and r.needs_tuning(b)
+                                                 for r in runners for b in r.buckets):
         from fusedserve.models import precompile
 
         precompile.start_compile_server()  # its imports run during warm-up; tuning's compiles fork from it

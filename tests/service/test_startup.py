@@ -30,10 +30,12 @@ async def test_each_phase_is_logged_once_and_shown_in_kernel_stats(info_logs, cl
     assert len(ready) == 1 and re.fullmatch(r"ready after \d+\.\d s since start: \['tiny', 'wide'\]", ready[0]), ready
 
 
-@pytest.mark.parametrize("device, tuning, started",
-                         [("cuda", True, True), ("cpu", True, False), ("cuda", False, False)])
+@pytest.mark.parametrize("device, tuning, untuned, started", [
+    ("cuda", True, True, True), ("cpu", True, True, False), ("cuda", False, True, False),
+    ("cuda", True, False, False),  # a restart on a tuned cache: nothing will tune
+])
 async def test_the_compile_server_starts_before_warm_up_where_cuda_models_will_tune(monkeypatch, device, tuning,
-                                                                                    started):
+                                                                                    untuned, started):
     # Its torch import then runs beside the warm-up, not in front of the first model's tuning.
     from types import SimpleNamespace
 
@@ -49,5 +51,6 @@ async def test_the_compile_server_starts_before_warm_up_where_cuda_models_will_t
 
     monkeypatch.setattr(startup, "_warm_up", warm_up)
     state = SimpleNamespace(settings=SimpleNamespace(background_tuning=tuning))
-    await startup.warm_up_and_serve(state, [SimpleNamespace(device=SimpleNamespace(type=device))])
+    runner = SimpleNamespace(device=SimpleNamespace(type=device), buckets=[1, 2], needs_tuning=lambda b: untuned)
+    await startup.warm_up_and_serve(state, [runner])
     assert calls == (["server", "warm-up"] if started else ["warm-up"])
