@@ -96,14 +96,33 @@ def pack_mlp(weights, biases, activations) -> PackedMLP:
     )
 
 
-def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = SMS) -> dict:
-    """The first tile config tried for one ``[M, N]`` layer output, and the one used wherever
-    nothing is timed (the interpreter, a batch bucket ``tune_chain`` has not tuned). Small batches are
-    latency-bound: narrow tiles, so a layer gets many programs (a 256-wide layer at batch 1 gets 16),
-    each streaming a slice of W. Larger batches start from 64x64 tiles. Then tiles are halved
-    (N first) until the grid covers ``sms`` SMs (132 on an H200) or they reach 16x16: a layer that
-    fills few SMs waits on few SMs' bandwidth.
-    Every tile these give compiles for sm_90 without register spills (tests/kernels/test_fused_mlp.py)."""
+# FMA tiles keep BLOCK_M x BLOCK_K x BLOCK_N fp32 products in registers: this many elements, 64
+# registers a thread at 8 warps.
+_FMA_ELEMENTS = 16384
+# Up to this many rows, exact fp32 (TF32 off) starts on an FMA tile 8 wide: tuned H100 chains picked
+# it for 5 of 7 fp32 layers at 4 and 8 rows (docs/kernels.md), where 3xTF32 pads the rows to 16.
+_FMA_FIRST_ROWS = 8
+
+
+def _fma_tile(M: int, K: int, block_n: int) -> dict:
+    """An FMA tile as tall as the batch, ``block_n`` wide, as deep as ``K`` or the register budget."""
+    block_m = triton.next_power_of_2(M)
+    block_k = max(16, min(512, _FMA_ELEMENTS // (block_m * block_n), triton.next_power_of_2(K)))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "num_warps": 8 if block_m * block_n * block_k > 4096 else 4, "num_stages": 3, "FMA": True}
+
+
+def fused_mlp_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int = SMS) -> dict:
+    """The first tile config tried for one ``[M, N]`` layer output over ``K`` inputs, and the one used
+    wherever nothing is timed (the interpreter, a batch bucket ``tune_chain`` has not tuned). Small
+    batches are latency-bound: narrow tiles, so a layer gets many programs (a 256-wide layer at batch
+    1 gets 16), each streaming a slice of W; exact fp32 at up to ``_FMA_FIRST_ROWS`` rows an FMA tile.
+    Larger batches start from 64x64 tiles. Then tiles are halved (N first) until the grid covers
+    ``sms`` SMs (132 on an H200) or they reach 16x16: a layer that fills few SMs waits on few SMs'
+    bandwidth. Every tile these give compiles for sm_90 without register spills
+    (tests/kernels/test_fused_mlp.py)."""
+    if dtype == torch.float32 and M <= _FMA_FIRST_ROWS and dot_precision(dtype) != "tf32":
+        return _fma_tile(M, K, 8)
     num_stages = 3
     if M <= 16:
         # 16x16 tiles 128 deep with 4 warps: the fastest or within 3% of it for every hidden
@@ -124,11 +143,6 @@ def fused_mlp_config(M: int, N: int, dtype: torch.dtype, sms: int = SMS) -> dict
             "num_stages": num_stages, "FMA": False}
 
 
-# FMA tiles keep BLOCK_M x BLOCK_K x BLOCK_N fp32 products in registers: this many elements, 64
-# registers a thread at 8 warps.
-_FMA_ELEMENTS = 16384
-
-
 def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = SMS) -> list[dict]:
     """Tile configs ``tune_chain`` times for one layer (``fused_mlp_config`` first), at most 7.
     Up to 16 rows: the 16x16 tensor-core tiles that won some layer of the H200 sweep
@@ -138,7 +152,7 @@ def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 
     512 (up to 3x faster alone than the SM-filling default): alone they mispredict the chain (the
     digits chain at batch 512 got slower with them, 40 -> 63 us), so only ``tune_chain``, which times
     the whole chain, may pick them."""
-    configs = [fused_mlp_config(M, N, dtype, sms)]
+    configs = [fused_mlp_config(M, N, K, dtype, sms)]
 
     def add(block_m, block_n, block_k, num_warps, fma=False):
         config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps,
@@ -147,12 +161,12 @@ def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 
             configs.append(config)
 
     if M <= 16:
+        add(16, 16, 128, 4)
         add(16, 16, 64, 4)
         add(16, 16, 256, 2)
-        block_m = triton.next_power_of_2(M)
         for block_n in (16, 8):
-            block_k = max(16, min(512, _FMA_ELEMENTS // (block_m * block_n), triton.next_power_of_2(K)))
-            add(block_m, block_n, block_k, 8 if block_m * block_n * block_k > 4096 else 4, fma=True)
+            if (tile := _fma_tile(M, K, block_n)) not in configs:
+                configs.append(tile)
     elif M <= 64:
         add(16, 16, 128, 4)
         add(32, 32, 64, 4)
@@ -209,7 +223,8 @@ def chain_tuned(M: int, packed: PackedMLP, device) -> bool:
 
 def _default_config(M: int, packed: PackedMLP, index: int, device: torch.device) -> dict:
     """``fused_mlp_config`` for layer ``index`` on ``device``."""
-    return fused_mlp_config(M, packed.widths[index + 1], packed.weights.dtype, sm_count(device))
+    return fused_mlp_config(M, packed.widths[index + 1], packed.widths[index], packed.weights.dtype,
+                            sm_count(device))
 
 
 def layer_config(M: int, packed: PackedMLP, index: int, device) -> dict:

@@ -233,7 +233,7 @@ def test_tune_chain_on_the_cpu_returns_the_defaults_untimed(monkeypatch):
     packed = pack_mlp(weights, biases, "relu")
     x = torch.randn(20, 17)
     configs = tune_chain(x, packed, shift, scale)
-    assert configs == [fused_mlp_config(20, n, torch.float32, sms=1) for n in widths[1:]]
+    assert configs == [fused_mlp_config(20, n, k, torch.float32, sms=1) for k, n in pairwise(widths)]
     assert configs == [layer_config(20, packed, i, "cpu") for i in range(3)]
     torch.testing.assert_close(fused_mlp(x, packed, shift, scale), fused_mlp(x, packed, shift, scale, configs),
                                rtol=0, atol=0)
@@ -294,7 +294,7 @@ def test_tune_chain_keeps_a_layer_another_chain_tuned(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_candidates_start_at_the_default_and_stay_few(M, dtype):
     configs = fused_mlp_candidates(M, 256, 256, dtype)
-    assert configs[0] == fused_mlp_config(M, 256, dtype)
+    assert configs[0] == fused_mlp_config(M, 256, 256, dtype)
     assert 3 <= len(configs) <= 7, configs  # each is timed in the whole chain at warm-up
     assert all(configs.count(c) == 1 for c in configs), configs
     assert all(c["BLOCK_M"] == 16 or c["BLOCK_M"] < 2 * M for c in configs), f"tiles mostly padding: {configs}"
@@ -303,11 +303,30 @@ def test_candidates_start_at_the_default_and_stay_few(M, dtype):
 @pytest.mark.parametrize("M", [1, 3, 17, 64, 100, 130, 512, 4096])
 @pytest.mark.parametrize("N", [1, 10, 70, 256, 4096])
 def test_config_fills_the_sms_or_is_as_narrow_as_tl_dot_allows(M, N):
-    config = fused_mlp_config(M, N, torch.float32, sms=132)
+    config = fused_mlp_config(M, N, 256, torch.bfloat16, sms=132)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     programs = -(-M // bm) * -(-N // bn)
     assert bm in (16, 32, 64) and bn in (16, 32, 64), config  # tl.dot needs >= 16; 64 is the tested largest
     assert programs >= 132 or (bm, bn) == (16, 16), f"M={M} N={N}: {programs} programs with {config}"
+
+
+@pytest.mark.parametrize("M, K, tile", [
+    (1, 4096, (1, 8, 512, 4)),  # as deep as the register budget allows
+    (3, 224, (4, 8, 256, 8)),
+    (4, 72, (4, 8, 128, 4)),  # as deep as K, rounded up
+    (8, 3104, (8, 8, 256, 8)),
+])
+def test_exact_fp32_starts_few_rows_on_an_fma_tile(M, K, tile, monkeypatch):
+    monkeypatch.setattr(fused_mlp_module, "dot_precision", lambda dtype: "tf32x3")
+    config = fused_mlp_config(M, 832, K, torch.float32)
+    got = (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["num_warps"], config["FMA"])
+    assert got == (*tile, True), config
+    assert fused_mlp_candidates(M, 832, K, torch.float32)[0] == config
+    # Past 8 rows, with TF32 allowed, and in 16-bit: tensor-core tiles first.
+    assert not fused_mlp_config(9, 832, K, torch.float32)["FMA"]
+    assert not fused_mlp_config(M, 832, K, torch.bfloat16)["FMA"]
+    monkeypatch.setattr(fused_mlp_module, "dot_precision", lambda dtype: "tf32")
+    assert not fused_mlp_config(M, 832, K, torch.float32)["FMA"]
 
 
 # Compiles the layer kernel for sm_90 as a launch would (tools.sm90) with every tuning candidate
