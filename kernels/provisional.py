@@ -34,7 +34,7 @@ from pathlib import Path
 
 import triton
 
-from fusedserve.kernels.rules import Problem, m_bucket, tuning_rows
+from fusedserve.kernels.rules import SMALL_M_MAX, Problem, m_bucket, tuning_rows
 
 TABLES = Path(__file__).resolve().parent / "tables"
 # Distance between shapes: a factor of two in the batch bucket counts twice one in N or K (the
@@ -117,10 +117,17 @@ def closest_config(candidates: list[dict], wanted: dict) -> dict:
     return dict(max(candidates, key=lambda c: sum(c.get(k) == v for k, v in wanted.items())))
 
 
+def _weight_bound(rows: int) -> bool:
+    return rows <= SMALL_M_MAX
+
+
 def _ranked(problem: Problem, entries, static_weight: bool) -> list[Entry]:
-    """The entries of ``problem``'s dtype, nearest first."""
-    dtype = str(problem.dtype).removeprefix("torch.")
-    return sorted((e for e in entries if e.dtype == dtype), key=lambda e: distance(e, problem, static_weight))
+    """The entries of ``problem``'s dtype measured on the same side of ``SMALL_M_MAX`` rows, nearest
+    first: what streams W best for 64 rows says nothing of 128 (an fp32 layer at 94 rows ran a
+    64-row shape's weight-streaming winner 21.6x slower than tuned, kernels.jsonl:40)."""
+    dtype, bound = str(problem.dtype).removeprefix("torch."), _weight_bound(m_bucket(problem.M))
+    return sorted((e for e in entries if e.dtype == dtype and _weight_bound(e.M) == bound),
+                  key=lambda e: distance(e, problem, static_weight))
 
 
 def provisional_choice(problem: Problem, families, entries, static_weight: bool = False) -> tuple[str, dict, str]:

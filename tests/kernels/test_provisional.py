@@ -51,6 +51,18 @@ def test_an_unmeasured_shape_takes_the_nearest_measured_family():
             "a config that is no candidate is only a hint: one of the family's own runs"
 
 
+def test_a_shape_measured_at_few_rows_names_no_family_past_them():
+    # fp32 at 94 rows ran the 64-row shape's weight-streaming winner 21.6x slower than tuned.
+    fp32 = lambda M: Problem(M, 1256, 496, torch.float32, (9, 0), False)  # noqa: E731
+    entries = (Entry("float32", 64, 976, 640, True, "triton_small_m", {}),
+               Entry("float32", 512, 4096, 4096, True, "triton_tiled", {}))
+    for M, want in ((48, "triton_small_m"), (94, "triton_tiled"), (65, "triton_tiled")):
+        kernel, _, source = provisional_choice(fp32(M), registry.offered(fp32(M)), entries, static_weight=True)
+        assert (kernel, source) == (want, "table"), f"M={M}"
+    assert [kernel for kernel, _ in provisional.near_candidates(fp32(94), registry.offered(fp32(94)), entries,
+                                                                 static_weight=True)] == ["triton_tiled"]
+
+
 @pytest.mark.parametrize("gpu", [H200, "NVIDIA H100 80GB HBM3"])
 @pytest.mark.parametrize("N, K", [(840, 11328), (320, 4104), (4096, 4096)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
