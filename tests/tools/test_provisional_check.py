@@ -37,7 +37,7 @@ def test_a_held_out_run_is_checked_against_a_table_of_the_others():
 
 
 def test_a_near_search_is_checked_for_the_full_searchs_winner():
-    seen = _run("2026-01-01", [dict(impl="fusedserve_static_weight", M=16, N=1024, K=1024, dtype="bfloat16",
+    seen = _run("2026-01-01", [dict(impl="fusedserve_static_weight", M=128, N=1024, K=1024, dtype="bfloat16",
                                     median_us=1.0, kernel="gluon_small_m", config="BLOCK_N=64")])
     held = _run("2026-01-02", [*_rows(200, "bfloat16", "torch_cublas", "op=addmm_act (cuBLASLt)", 10.0, 10.0, 10.0),
                                *_rows(300, "bfloat16", "gluon_ws", "BLOCK_M=128", 10.0, 30.0, 11.0)])
