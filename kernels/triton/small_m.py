@@ -433,8 +433,14 @@ def _provisional_first(p) -> bool:
 
 def _provisional_config(p, configs: list[dict], measured: dict) -> dict:
     """One row starts on the GEMV (the config closest to the measured one among its variants):
-    that is what ``_provisional_first`` claims it for, whatever the nearest measured shape ran."""
+    that is what ``_provisional_first`` claims it for, whatever the nearest measured shape ran. In
+    16 bits on 1024-deep tiles, 8 wide where that still gives every SM a program, else 4 wide: what
+    all 10 tuned one-row H100 GEMVs won (N=320-920 4 wide, N=1552-3928 8 wide; a 16-wide start ran
+    1.38x slower at N=456, kernels.jsonl:39)."""
     gemv = [c for c in configs if c.get("GEMV")] if p.M == 1 else []
+    if gemv and p.half:
+        wide = 8 if triton.cdiv(p.N, 8) >= SMS else 4
+        gemv = [c for c in gemv if (c["BLOCK_N"], c["BLOCK_K"]) == (wide, 1024)] or gemv
     return closest_config(gemv or configs, measured)
 
 

@@ -73,6 +73,8 @@ def test_one_sixteen_bit_row_starts_on_the_gemv(gpu, N, K, dtype):
     kernel, config, source = provisional_choice(problem, registry.offered(problem), provisional.table(gpu),
                                                 static_weight=True)
     assert (kernel, source, config.get("GEMV")) == ("triton_small_m", "rules", True)
+    # 1024 deep; 8 wide where that gives each of 132 SMs a program, else 4 (tuned H100 GEMVs).
+    assert (config["BLOCK_K"], config["BLOCK_N"]) == (1024, 8 if N >= 8 * 132 else 4), config
 
 
 @pytest.mark.parametrize("gpu", [H200, "NVIDIA H100 80GB HBM3"])
@@ -112,16 +114,18 @@ def test_a_family_without_its_own_rule_starts_on_the_closest_or_first_candidate(
 
 
 def test_a_claiming_family_takes_its_nearest_measured_config():
-    problem = hopper(1, 1024, 1024)
+    problem = hopper(1, 4096, 4096)
     candidates = registry.family("triton_small_m").candidates(problem)
-    measured = candidates[1]
-    entries = (Entry("bfloat16", 1, 1024, 1024, True, "gluon_small_m", {}),
-               Entry("bfloat16", 1, 4096, 4096, True, "triton_small_m", measured))
+    # The GEMV's tiles its rule keeps for one 16-bit row of N=4096: 8 wide, 1024 deep.
+    ruled = [c for c in candidates if c.get("GEMV") and (c["BLOCK_N"], c["BLOCK_K"]) == (8, 1024)]
+    measured = ruled[-1]
+    assert len(ruled) > 1 and measured != ruled[0]
+    entries = (Entry("bfloat16", 1, 4096, 4096, True, "gluon_small_m", {}),
+               Entry("bfloat16", 1, 1024, 1024, True, "triton_small_m", measured))
     kernel, config, source = provisional_choice(problem, registry.offered(problem), entries, static_weight=True)
     assert (kernel, config, source) == ("triton_small_m", measured, "rules")
     kernel, config, _ = provisional_choice(problem, registry.offered(problem), entries[:1], static_weight=True)
-    assert (kernel, config) == ("triton_small_m", candidates[0]), "no entry of its own: its first candidate"
-    assert candidates[0].get("GEMV"), "one row starts on the GEMV"
+    assert (kernel, config) == ("triton_small_m", ruled[0]), "no entry of its own: the rule's first tile"
 
 
 def test_no_table_falls_back_to_the_rules():
