@@ -23,6 +23,8 @@ PEERS = ("torch_unfused", "cublaslt_fused")
 # this much slower than the tuned one; every answer within this times torch's own error.
 MIN_RATIO, MEDIAN_RATIO, OWN_SHARE, PROVISIONAL_SLACK, ERROR_FACTOR = 0.97, 1.10, 0.60, 0.05, 2.0
 VENDOR = "torch_cublas"
+# Where the vendor won a shape, a random run also times our fastest family alone under this name.
+OWN = "fusedserve_own"
 
 
 def _log_uniform(rng: random.Random, low: int, high: int) -> float:
@@ -66,6 +68,25 @@ def describe_provisional(x, w) -> tuple[str, str]:
     """``(kernel, config)`` of the provisional choice, the config as kernel stats show it."""
     choice = _provisional(x, w)
     return choice.kernel, f"{choice.describe()} ({choice.source})"
+
+
+def _own_choice(x, w, b) -> choosing.Choice:
+    """The tuned choice for ``x @ w^T`` among our own families alone, the vendor's left out (a
+    call in choosing mode "tune" times every candidate of theirs; later calls read it back)."""
+    problem = problem_of(x, w)
+    families = tuple(f for f in registry.offered(problem) if f.name != VENDOR)
+    return choosing.choose(problem, x, w, b, "relu", static_weight=True, families=families)
+
+
+def own_linear(x, w, b):
+    """relu(x @ W^T + b) on the fastest of our own families: where the vendor won, by how much."""
+    return choosing.launch(_own_choice(x, w, b), x, w, b, "relu", static_weight=True)
+
+
+def describe_own(x, w, b) -> tuple[str, str]:
+    """``(kernel, config)`` of ``own_linear``'s choice once tuned."""
+    choice = _own_choice(x, w, b)
+    return choice.kernel, choice.describe()
 
 
 def _by_shape(rows):

@@ -14,7 +14,9 @@ and TB/s against the copy bandwidth and the matmul peak, both measured in the sa
 table plus the targets of issue 3. Every run also times ``fusedserve_provisional`` (the choice a
 cold server starts on, before tuning); "summary" holds ours against the better peer and provisional
 against tuned (issue 23). ``--random N --seed S`` times N shapes drawn from S
-(``bench/kernel_random.py``) instead of the grid, and ``--plot`` adds the ratios (``..._ratios.png``).
+(``bench/kernel_random.py``) instead of the grid, and ``--plot`` adds the ratios (``..._ratios.png``);
+where the full search kept the vendor's GEMM, it also times ``fusedserve_own``, our fastest family
+alone, so a run shows how far behind ours were there (summary ``own_vs_vendor_won``).
 
 Method: every impl is first checked once against an fp32/fp64 reference, then timed as CUDA-graph
 replays of many calls that cycle over enough (x, W, b) sets that each call finds its weights out of
@@ -42,9 +44,13 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from bench import runs  # noqa: E402
 from bench.kernel_random import (  # noqa: E402
+    OWN,
     RANDOM_DTYPES,
+    VENDOR,
+    describe_own,
     describe_provisional,
     draw_shapes,
+    own_linear,
     peer_summary,
     plot_ratios,
     print_summaries,
@@ -198,8 +204,9 @@ def near_search(directory):
         tune_cache.device_cache.cache_clear()
 
 
-def near_tune_seconds(fn, args) -> dict:
-    """Seconds of the near search's tuning call on a new shape (inside ``near_search``)."""
+def tune_seconds(fn, args) -> dict:
+    """Seconds of a tuning call (choosing mode "tune") on a new shape: the near search's inside
+    ``near_search``, else the full one."""
     start = time.perf_counter()
     with choosing_mode("tune"):
         fn(*args)
@@ -231,6 +238,7 @@ def impls_for(M, N, K, dtype, compiled, forced, near=False):
     impls = fixed_impls()
     if near:
         impls[NEAR] = impls["fusedserve_static_weight"]
+        impls[OWN] = own_linear  # timed only where the vendor won the full search (bench_shape)
     if compiled is not None:
         impls["torch_compile"] = compiled
     if forced:
@@ -251,12 +259,14 @@ def bench_shape(M, N, K, dtype, impls, repeats, near_cache=None):
     sets = make_sets(M, N, K, dtype)
     first_calls = {}
     for impl, fn in impls.items():
+        if impl == OWN and kernel_choice(M, N, K, dtype, "cuda", static_weight=True)[0] != VENDOR:
+            continue
         try:
             with near_search(near_cache) if impl == NEAR else contextlib.nullcontext():
                 if impl in OURS:  # a user's first call (a short list), then the full search, each timed
                     first_calls[impl] = first_call_seconds(fn, sets[0])
-                elif impl == NEAR:
-                    first_calls[impl] = near_tune_seconds(fn, sets[0])
+                elif impl in (NEAR, OWN):
+                    first_calls[impl] = tune_seconds(fn, sets[0])
                 errors[impl] = check(fn, *sets[0])
                 graphs[impl] = capture(fn, sets, M, N, K, dtype)
         except ValueError as e:
@@ -276,6 +286,9 @@ def bench_shape(M, N, K, dtype, impls, repeats, near_cache=None):
                                                                  static_weight=impl != "fusedserve")
         elif impl == "fusedserve_provisional":
             extra["kernel"], extra["config"] = describe_provisional(*sets[0][:2])
+        elif impl == OWN:
+            extra.update(first_calls.get(impl, {}))
+            extra["kernel"], extra["config"] = describe_own(*sets[0])
         if dtype == torch.float32 and impl.startswith("fusedserve"):
             extra["fp32_precision"] = dot_precision(dtype)  # "tf32x3", "ieee" or (torch allowing) "tf32"
         rows.append(row(M, N, K, dtype, impl, us, **extra))
@@ -601,7 +614,8 @@ def summaries(rows):
             "ours_unmarked_vs_better_peer": peer_summary(rows, "fusedserve"),
             "provisional_vs_tuned": provisional_summary(rows),
             "near_vs_better_peer": peer_summary(rows, NEAR),
-            "near_vs_full": provisional_summary(rows, provisional_impl=NEAR)}
+            "near_vs_full": provisional_summary(rows, provisional_impl=NEAR),
+            "own_vs_vendor_won": provisional_summary(rows, provisional_impl=OWN)}
 
 
 if __name__ == "__main__":

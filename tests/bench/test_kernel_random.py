@@ -1,8 +1,12 @@
 """bench/kernel_random.py: the seeded random shapes of ``kernels.py --random`` and the summaries."""
 
+from types import SimpleNamespace
+
 import torch
 
+from bench import kernel_random
 from bench.kernel_random import draw_shapes, peer_summary, provisional_summary
+from fusedserve.kernels import choosing
 
 
 def test_random_shapes_are_seeded_in_range_and_multiples_of_8():
@@ -55,3 +59,29 @@ def test_the_summary_counts_our_families_wins_errors_and_first_calls():
     summary = peer_summary(rows)
     assert summary["own_share"] == round(2 / 3, 3) and summary["first_call_max_s"] == 0.7
     assert summary["errors_over_torch"] == [dict(M=9, N=512, K=512, dtype="bfloat16")] and not summary["met"]
+
+
+def test_our_own_choice_leaves_the_vendor_out(monkeypatch):
+    offered = [SimpleNamespace(name="torch_cublas"), SimpleNamespace(name="triton_tiled"),
+               SimpleNamespace(name="gluon_ws")]
+    monkeypatch.setattr(kernel_random.registry, "offered", lambda problem: offered)
+    asked = []
+
+    def choose(problem, x, w, b, activation, static_weight=False, families=None):
+        asked.append((families, static_weight))
+        return choosing.Choice("triton_tiled", {"BLOCK_M": 64}, tuned=True, source="tuned")
+
+    monkeypatch.setattr(kernel_random.choosing, "choose", choose)
+    x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    assert kernel_random.describe_own(x, w, b)[0] == "triton_tiled"
+    assert [[f.name for f in families] for families, _ in asked] == [["triton_tiled", "gluon_ws"]]
+    assert asked[0][1], "as a served layer: static weights"
+
+
+def test_the_own_summary_compares_our_best_family_where_the_vendor_won():
+    a, b = (3000, 3072, 3072, "bfloat16"), (700, 1024, 4096, "float16")
+    rows = (_rows(a, fusedserve_static_weight=10.0, fusedserve_own=10.3)
+            + _rows(b, fusedserve_static_weight=20.0, fusedserve_own=24.0))
+    own = provisional_summary(rows, provisional_impl=kernel_random.OWN)
+    assert (own["min"], own["max"], own["shapes"]) == (1.03, 1.2, 2)
+    assert [r["M"] for r in own["slower"]] == [700] and not own["met"]
