@@ -1,5 +1,7 @@
 """bench/model_contract.py without a GPU: the targets it reports."""
 
+import functools
+
 from bench.model_contract import summary
 
 
@@ -28,3 +30,42 @@ def test_issue_36s_targets_are_summarised_beside():
     rows = [dict(model="a", batch=3, ratio=0.99, launch_bound=False), dict(model="a", batch=77, ratio=1.2,
                                                                           launch_bound=False)]
     assert summary(rows)["issue36_met"] and not summary(rows[:1])["issue36_met"]
+
+
+def test_a_slow_block_of_end_to_end_pairs_does_not_set_the_ratio(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench import model_contract
+
+    def busy(us):
+        end = time.perf_counter() + us / 1e6
+        while time.perf_counter() < end:
+            pass
+
+    calls = {"run": 0}
+
+    def run(x):  # ours: 300 us for the first block's calls, 100 us after; the peer 150 us throughout
+        calls["run"] += 1
+        busy(300 if calls["run"] <= 20 else 100)
+
+    runner = SimpleNamespace(run=run, compute=lambda bucket: None, max_batch_size=8)
+    monkeypatch.setattr(model_contract, "device_us", lambda step: 1.0)
+    monkeypatch.setattr(model_contract, "synchronized", lambda step: step)
+    monkeypatch.setattr(model_contract, "RunnerAsPeer", lambda runner, batch: lambda x: busy(100))
+    monkeypatch.setattr(model_contract, "alternate", functools.partial(model_contract.alternate, warmup=0))
+    class Peer:  # the torch graph: 150 us a call
+        graph = SimpleNamespace(replay=lambda: None)
+
+        def __call__(self, x):
+            busy(150)
+
+        def device_us(self):
+            return 1.0
+
+    times = model_contract.time_row(runner, Peer(), torch.zeros(8, 4), calls=80)
+    assert len(times["ratio_blocks"]) == model_contract.E2E_BLOCKS == 4
+    assert times["ratio_blocks"][0] < 0.6 and min(times["ratio_blocks"][1:]) > 1.2, times["ratio_blocks"]
+    assert times["ratio"] > 1.2, "the median block counts, not the slow one"
