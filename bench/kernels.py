@@ -278,16 +278,14 @@ def bench_shape(M, N, K, dtype, impls, repeats, near_cache=None):
             log(f"  !! {impl} M={M} N={N} K={K} {dtype}: {type(e).__name__}: {str(e)[:300]}")
             rows.append(dict(M=M, N=N, K=K, dtype=str(dtype).removeprefix("torch."), impl=impl, error=str(e)[:500]))
     for impl, us in time_graphs(graphs, repeats).items():
-        extra = dict(max_rel_err=float(f"{errors[impl]:.3g}"))
+        extra = dict(max_rel_err=float(f"{errors[impl]:.3g}"), **first_calls.get(impl, {}))
         if impl in OURS or impl == NEAR:
-            extra.update(first_calls.get(impl, {}))
             with near_search(near_cache) if impl == NEAR else contextlib.nullcontext():
                 extra["kernel"], extra["config"] = kernel_choice(M, N, K, dtype, "cuda",
                                                                  static_weight=impl != "fusedserve")
         elif impl == "fusedserve_provisional":
             extra["kernel"], extra["config"] = describe_provisional(*sets[0][:2])
         elif impl == OWN:
-            extra.update(first_calls.get(impl, {}))
             extra["kernel"], extra["config"] = describe_own(*sets[0])
         if dtype == torch.float32 and impl.startswith("fusedserve"):
             extra["fp32_precision"] = dot_precision(dtype)  # "tf32x3", "ieee" or (torch allowing) "tf32"

@@ -200,12 +200,11 @@ def synchronized(step):
     return call
 
 
-def time_row(runner: ModelRunner, peer: TorchGraphContract, x: torch.Tensor, calls: int) -> dict:
+def time_row(runner: ModelRunner, peer: TorchGraphContract, x: torch.Tensor, bucket: int, calls: int) -> dict:
     """Every timing of one row. The end-to-end pairs run in ``E2E_BLOCKS`` blocks spread between the
     other timings, and each side's median block counts: a host-side transient of a few hundred ms
     (one block of ``run`` at 53.7 us, later ones at 42.1, model_contract.jsonl:13) cannot set the ratio."""
     batch = x.shape[0]
-    bucket = bucket_of(batch, runner.max_batch_size)
     run, call_peer = functools.partial(runner.run, x), functools.partial(peer, x)
     blocks = []
 
@@ -249,7 +248,7 @@ def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> No
         err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
         bucket = bucket_of(batch, runner.max_batch_size)
         row = dict(model=spec[0], dtype=dtype, widths=list(fused.config.widths), batch=batch, bucket=bucket,
-                   **time_row(runner, peer, x, calls))
+                   **time_row(runner, peer, x, bucket, calls))
         row.update(launch_bound=row["torch_graph_device_us"] / layers < LAUNCH_BOUND_US_PER_LAYER,
                    graph=runner.graphed(bucket), path=runner.path(bucket),
                    choices=runner.choice_states.get(bucket), kernels=layer_kernels(runner, bucket))

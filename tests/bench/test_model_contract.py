@@ -51,7 +51,7 @@ def test_a_slow_block_of_end_to_end_pairs_does_not_set_the_ratio(monkeypatch):
         calls["run"] += 1
         busy(300 if calls["run"] <= 20 else 100)
 
-    runner = SimpleNamespace(run=run, compute=lambda bucket: None, max_batch_size=8)
+    runner = SimpleNamespace(run=run, compute=lambda bucket: None)
     monkeypatch.setattr(model_contract, "device_us", lambda step: 1.0)
     monkeypatch.setattr(model_contract, "synchronized", lambda step: step)
     monkeypatch.setattr(model_contract, "RunnerAsPeer", lambda runner, batch: lambda x: busy(100))
@@ -65,7 +65,7 @@ def test_a_slow_block_of_end_to_end_pairs_does_not_set_the_ratio(monkeypatch):
         def device_us(self):
             return 1.0
 
-    times = model_contract.time_row(runner, Peer(), torch.zeros(8, 4), calls=80)
+    times = model_contract.time_row(runner, Peer(), torch.zeros(8, 4), bucket=8, calls=80)
     assert len(times["ratio_blocks"]) == model_contract.E2E_BLOCKS == 4
     assert times["ratio_blocks"][0] < 0.6 and min(times["ratio_blocks"][1:]) > 1.2, times["ratio_blocks"]
     assert times["ratio"] > 1.2, "the median block counts, not the slow one"
