@@ -56,7 +56,9 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
         torch.mm(x, weight_t, out=out)
     else:
         torch.addmm(bias, x, weight_t, out=out)
-    if activation != "none":
+    if activation == "relu":
+        out.relu_()  # in place: one elementwise kernel, not a new tensor and a copy back
+    elif activation != "none":
         out.copy_(ACTIVATIONS[activation](out))
     return out
 

@@ -254,9 +254,11 @@ def test_the_tuner_picks_the_library_where_it_is_faster_and_the_cache_keeps_it(f
     with provisional.choosing_mode("tune"):
         choice = choosing.choose(problem, x, w, b, "relu")
     assert (choice.kernel, choice.config, choice.tuned) == (VENDOR, {"op": "linear"}, True)
-    assert len(launched) == 2 * 2, "each op once in the first round and again as a finalist"
-    for y in launched:  # at the bucket's 128 rows: x's 70, then its first 58 again
+    assert len(launched) == 2 * 2 * 2, "each op in the first round and as a finalist, at 128 rows then at 70"
+    for y in launched[:4]:  # at the bucket's 128 rows: x's 70, then its first 58 again
         assert_close(y, torch.cat([x, x[:58]]), w, b, "relu", "timed launch")
+    for y in launched[4:]:  # again at the call's own rows
+        assert_close(y, x, w, b, "relu", "timed launch")
     # Round trip: the file holds it, a new process's cache reads it, and launches run it.
     assert list(json.loads(fake_gpu.path.read_text()).values()) == [{"kernel": VENDOR, "config": {"op": "linear"}}]
     monkeypatch.setattr(choosing, "device_cache", lambda name: tune_cache.TuneCache("Fake GPU", directory=tmp_path))
@@ -297,6 +299,26 @@ def test_a_direct_call_keeps_ours_only_where_it_beats_the_library_at_its_own_row
     with provisional.choosing_mode("tune"):
         choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
     assert choice.kernel == kept and timed_rows == ([128, 70] if rows == 70 else [128])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
+def test_a_direct_call_takes_the_librarys_faster_op_at_its_own_rows(fake_gpu, monkeypatch):
+    # cuBLAS picks its algorithm per M: the op that wins at the bucket's rows may lose at the call's.
+    timed_rows = []
+    real_sets = choosing.rotating_sets
+    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    ms = {128: {"triton_tiled": 2.0, "triton_small_m": 1.5, "linear": 1.0, "addmm_act": 1.1},
+          70: {"triton_small_m": 1.5, "linear": 1.2, "addmm_act": 1.0}}
+
+    def timer(run):
+        name, config = timers.timing_candidate.get()
+        return lambda repeats: [ms[timed_rows[-1]][config.get("op", name)]] * repeats
+    monkeypatch.setattr(choosing, "default_timer", lambda calls_hint=1: timer)
+    x, w, b = make(70, 40, 136, torch.float16, device="cpu")
+    with provisional.choosing_mode("tune"):
+        choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
+    assert (choice.kernel, choice.config) == (VENDOR, {"op": "addmm_act"}) and timed_rows == [128, 70]
 
 
 @pytest.mark.timeout(60)
