@@ -6,12 +6,15 @@ long K: past 64 rows with K in the thousands, on an H100, cuBLAS beat every tile
 each tile, one contiguous share of K each, and store fp32 partial sums ``[SPLIT_K, M, N]``; a
 second kernel adds them in a fixed order (the same rows give the same bits whatever else is in the
 batch), adds the bias, applies the activation and stores Y. Any GPU Triton supports; the tuner
-times it against the others only where the tiles are few and K long (``_offered``).
+times it against the others only where the tiles are few and K long (``_offered``). On Hopper's
+16-bit TMA problems (``TMA`` configs) the partial sums read X and W through TMA descriptors, which
+zero-fill past K, as the persistent TMA kernel does.
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.family import KernelFamily
@@ -42,11 +45,21 @@ def _tiles(M, N, config) -> int:
     return triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
 
 
-def candidates(M, N, K, dtype):
-    """Each tile at each split whose programs fit two waves and give every split a K step."""
+def candidates(M, N, K, dtype, tma=False):
+    """Each tile at each split whose programs fit two waves and give every split a K step; with
+    ``tma`` (Hopper, 16-bit, TMA-aligned rows) the partial sums load through TMA."""
     tiles = FP32_TILES if dtype == torch.float32 else TILES
-    return [dict(t, SPLIT_K=s) for t in tiles for s in SPLITS
+    return [dict(t, SPLIT_K=s, **({"TMA": True} if tma else {})) for t in tiles for s in SPLITS
             if _tiles(M, N, t) * s <= 2 * SMS and K >= s * t["BLOCK_K"]]
+
+
+@triton.jit
+def _store_partial(part_ptr, acc, split, pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split ``split``'s fp32 sums of one tile into ``part [SPLIT_K, M, N]``, masked at the edges."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    part_ptrs = part_ptr + split.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(part_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @triton.jit
@@ -82,11 +95,33 @@ def _split_k_partial_kernel(
         acc = dot_acc(acc, x, w, INPUT_PRECISION, UPCAST_BF16)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    _store_partial(part_ptr, acc, split, pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    part_ptrs = part_ptr + split.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(part_ptrs, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+@triton.jit
+def _split_k_tma_partial_kernel(
+    x_desc, w_desc, part_ptr,  # descriptors of x [M, K] and w [N, K]
+    M, N,
+    K_PER_SPLIT,  # a multiple of BLOCK_K: split s sums K from s * K_PER_SPLIT (TMA zero-fills past K)
+    UPCAST_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        launch_dependents_then_wait()
+    K_PER_SPLIT = aligned(K_PER_SPLIT, BLOCK_K)
+    split = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_start = split * K_PER_SPLIT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        x = x_desc.load([pid_m * BLOCK_M, k])
+        w = w_desc.load([pid_n * BLOCK_N, k])
+        if UPCAST_BF16:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w.T, acc)
+    _store_partial(part_ptr, acc, split, pid_m, pid_n, M, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -112,19 +147,27 @@ def _split_k_sum_kernel(
 def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
            prefetch_weight=False):
     """Run both kernels on checked arguments (``x [M, K]``, ``weight [N, K]`` with unit column
-    stride, ``out [M, N]`` contiguous); the partial sums live in a new fp32 ``[SPLIT_K, M, N]``.
-    (``prefetch_weight`` is the keyword every family takes; these kernels have no use for it.)"""
+    stride, ``out [M, N]`` contiguous; for a ``TMA`` config 16-bit and ``rules.tma_compatible``);
+    the partial sums live in a new fp32 ``[SPLIT_K, M, N]``. (``prefetch_weight`` is the keyword
+    every family takes; these kernels have no use for it.)"""
     M, K = x.shape
     N = weight.shape[0]
     meta = dict(config)
-    split = meta.pop("SPLIT_K")
+    split, tma = meta.pop("SPLIT_K"), meta.pop("TMA", False)
     k_per_split = triton.cdiv(triton.cdiv(K, split), meta["BLOCK_K"]) * meta["BLOCK_K"]
     part = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     pdl_flag = {"launch_pdl": True} if pdl else {}
-    _split_k_partial_kernel[(_tiles(M, N, meta), split)](
-        x, weight, part, M, N, K, x.stride(0), weight.stride(0), k_per_split,
-        INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, USE_PDL=pdl, K_ALIGN=k_align(K, x, weight),
-        **meta, **pdl_flag)
+    grid = (_tiles(M, N, meta), split)
+    if tma:
+        x_desc = TensorDescriptor.from_tensor(x, [meta["BLOCK_M"], meta["BLOCK_K"]])
+        w_desc = TensorDescriptor.from_tensor(weight, [meta["BLOCK_N"], meta["BLOCK_K"]])
+        _split_k_tma_partial_kernel[grid](x_desc, w_desc, part, M, N, k_per_split, UPCAST_BF16=upcast_bf16,
+                                          USE_PDL=pdl, **meta, **pdl_flag)
+    else:
+        _split_k_partial_kernel[grid](
+            x, weight, part, M, N, K, x.stride(0), weight.stride(0), k_per_split,
+            INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16, USE_PDL=pdl, K_ALIGN=k_align(K, x, weight),
+            **meta, **pdl_flag)
     _split_k_sum_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](
         part, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=split,
         HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK=_SUM_BLOCK, USE_PDL=pdl, num_warps=4, **pdl_flag)
@@ -133,13 +176,13 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
 
 def _offered(p):
     """On a GPU, past the weight-streaming rows, where 128 x 256 tiles leave a quarter of the SMs
-    idle over a long K; not for Hopper's 16-bit TMA problems, where the Gluon and TMA families run
-    and split-K won none of the tuned shapes (docs/kernels.md): float32 is where it wins."""
+    idle over a long K. On Hopper's 16-bit TMA problems too (TMA loads): there cuBLAS beat our
+    persistent families by up to 1.58x at such shapes (M=683 N=1024 K=4520 bf16, 48 tiles of
+    128 x 128, kernels.jsonl:41)."""
     idle = 1 - triton.cdiv(p.M, 128) * triton.cdiv(p.N, 256) / SMS
-    return (p.capability is not None and not p.hopper_tma and p.M > SMALL_M_MAX and p.K >= _MIN_K
-            and idle >= _IDLE_SHARE)
+    return p.capability is not None and p.M > SMALL_M_MAX and p.K >= _MIN_K and idle >= _IDLE_SHARE
 
 
 FAMILY = KernelFamily(NAME, unfit=lambda p: None, offered=_offered,
-                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
-                      interpret_config=INTERPRET_CONFIG)
+                      candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype, tma=p.hopper_tma), launch=launch,
+                      interpret_config=INTERPRET_CONFIG, near_whole=True)

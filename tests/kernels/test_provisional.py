@@ -247,3 +247,16 @@ def test_a_near_search_at_a_few_rows_times_every_config_of_the_provisional_famil
     family = choosing.every_candidate([f for f in families if f.name == kernel], problem)
     assert mark == "near" and len(pairs) < len(choosing.every_candidate(families, problem))
     assert all(pair in pairs for pair in family) == whole_family, (kernel, len(family))
+
+
+def test_a_near_search_times_every_split_k_candidate_where_split_k_is_offered():
+    # Few tiles over a long K: the table's nearest shapes never ran split-K on Hopper's 16-bit rows.
+    problem = hopper(683, N=1024, K=4520)
+    families = registry.offered(problem)
+    split = [pair for pair in choosing.every_candidate(families, problem) if pair[0] == "triton_split_k"]
+    assert split, "split-K is offered here"
+    pairs, mark = choosing.search_list(problem, families, provisional.table(H200, "3.6.0"))
+    assert mark == choosing.NEAR and all(pair in pairs for pair in split)
+    wide = hopper(4096)
+    assert not any(k == "triton_split_k" for k, _ in choosing.search_list(wide, registry.offered(wide),
+                                                                           provisional.table(H200, "3.6.0"))[0])

@@ -32,22 +32,30 @@ def test_every_family_registers_once_under_its_own_name():
         registry.family("no_such_kernel")
 
 
-@pytest.mark.parametrize("M, N, K, capability, wanted_16_bit, wanted_fp32", [
-    # 72 tiles over a long K: cuBLAS won such shapes (docs/kernels.md); on Hopper 16-bit is the TMA
-    # and Gluon families' ground, where split-K won no tuned shape
-    (163, 9160, 14376, HOPPER, False, True),
-    (300, 1000, 4096, AMPERE, True, True),  # any GPU
-    (300, 1000, 4096, None, False, False),  # not under the interpreter's automatic choice
-    (64, 1000, 4096, HOPPER, False, False),  # weight streaming's rows
-    (2048, 4096, 4096, HOPPER, False, False),  # the tiles fill the SMs
-    (300, 1000, 1024, HOPPER, False, False),  # a short K
+@pytest.mark.parametrize("M, N, K, capability, wanted", [
+    # 72 tiles over a long K: cuBLAS won such shapes (docs/kernels.md); on Hopper's 16-bit TMA rows
+    # too, where the partial sums load through TMA
+    (163, 9160, 14376, HOPPER, True),
+    (300, 1000, 4096, AMPERE, True),  # any GPU
+    (300, 1000, 4096, None, False),  # not under the interpreter's automatic choice
+    (64, 1000, 4096, HOPPER, False),  # weight streaming's rows
+    (2048, 4096, 4096, HOPPER, False),  # the tiles fill the SMs
+    (300, 1000, 1024, HOPPER, False),  # a short K
 ])
-def test_split_k_competes_where_few_tiles_walk_a_long_k(M, N, K, capability, wanted_16_bit, wanted_fp32):
-    assert (SPLIT_K in offered(M, capability=capability, N=N, K=K, split_k=True)) is wanted_16_bit
-    assert (SPLIT_K in offered(M, torch.float32, capability=capability, N=N, K=K, split_k=True)) is wanted_fp32
-    # Misaligned 16-bit rows on Hopper take no TMA family: split-K competes there as anywhere.
-    misaligned = offered(M, capability=capability, N=N, K=K, split_k=True, tma_aligned=False)
-    assert (SPLIT_K in misaligned) is wanted_fp32
+def test_split_k_competes_where_few_tiles_walk_a_long_k(M, N, K, capability, wanted):
+    for dtype in (torch.bfloat16, torch.float32):
+        for aligned in (True, False):
+            assert (SPLIT_K in offered(M, dtype, capability=capability, N=N, K=K, split_k=True,
+                                       tma_aligned=aligned)) is wanted, (dtype, aligned)
+
+
+def test_split_k_loads_through_tma_only_on_hoppers_16_bit_tma_rows():
+    family = registry.family(SPLIT_K)
+    cases = ((torch.bfloat16, HOPPER, True, True), (torch.float16, HOPPER, False, False),
+             (torch.bfloat16, AMPERE, True, False), (torch.float32, HOPPER, True, False))
+    for dtype, capability, aligned, tma in cases:
+        configs = family.candidates(Problem(683, 1024, 4520, dtype, capability, aligned))
+        assert configs and all(c.get("TMA", False) is tma for c in configs), (dtype, capability, aligned)
 
 
 @pytest.mark.parametrize("M", [1, 3, 16, 17, SMALL_M_MAX])
