@@ -17,34 +17,12 @@ def launch_dependents_then_wait():
 
 
 @triton.jit
-def tf32_round(x):
-    """fp32 ``x`` rounded to TF32's 10 mantissa bits, to nearest with ties away from zero (PTX's
-    ``cvt.rna.tf32.f32``), still an fp32 value: add half of the dropped bits' unit, then clear them."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def dot_acc(acc, a, b, INPUT_PRECISION: tl.constexpr, UPCAST_BF16: tl.constexpr):
     """``acc + a @ b`` on the tensor cores (fp32 tiles under the interpreter, whose bf16 tl.dot is
-    wrong while its fp32 one is right).
-
-    "tf32x3" is done here, not by Triton: each operand is a rounded TF32 part plus its remainder,
-    rounded too (Triton 3.6 hands the remainder to the tensor core unrounded, and the tensor core
-    truncates it: a layer at M=11 N=952 K=4016 came out 2.4x further from float64 than torch's SGEMM,
-    kernels.jsonl:42). The three products of a K step are summed from zero, then added to ``acc``."""
+    wrong while its fp32 one is right)."""
     if UPCAST_BF16:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    if INPUT_PRECISION == "tf32x3" and a.dtype == tl.float32:  # (16-bit dots ignore the precision)
-        a_big = tf32_round(a)
-        b_big = tf32_round(b)
-        a_small = tf32_round(a - a_big)
-        b_small = tf32_round(b - b_big)
-        small = tl.dot(a_small, b_big, input_precision="tf32")
-        small = tl.dot(a_big, b_small, small, input_precision="tf32")
-        small = tl.where(small == small, small, 0.0)  # inf operands leave inf - inf = NaN remainders
-        return acc + tl.dot(a_big, b_big, small, input_precision="tf32")
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 

@@ -2,7 +2,7 @@
 registers: every tensor-core candidate of the Triton weight-streaming, tiled and split-K families
 must still compile for sm_90 spilling a few bytes a thread at most. Compiled on the CPU, in a
 process of its own (this one's Triton kernels are interpreted, and the interpreter compiles
-nothing). And the rounding to TF32 that splits each operand."""
+nothing)."""
 
 import os
 import subprocess
@@ -10,12 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import triton
-import triton.language as tl
 
 from fusedserve.kernels.precision import FP32_PRECISION_ENV
-from fusedserve.kernels.triton.common import tf32_round
 
 # A few bytes a thread (split-K's 128x128 tile: 28) cost little; kilobytes (the tiles left out) do.
 FEW_BYTES = 64
@@ -53,28 +49,3 @@ def test_fp32_tensor_core_candidates_do_not_spill_under_3xtf32(M, N, K, family):
     for report in reports:
         spilled = int(report.rsplit(" ", 1)[1])
         assert spilled <= FEW_BYTES, f"spills under 3xTF32 (family, config, registers, spill bytes): {report}"
-
-
-@triton.jit
-def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(y_ptr + offs, tf32_round(tl.load(x_ptr + offs, mask=mask)), mask=mask)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the same source")
-def test_tf32_round_keeps_ten_mantissa_bits_rounding_to_nearest_ties_away():
-    one = 1.0
-    ulp = 2.0 ** -10  # TF32's unit in the last place at 1.0
-    x = torch.tensor([one, one + ulp / 4, one + ulp / 2, one + 3 * ulp / 4, -(one + ulp / 2), 3.14159265,
-                      1e-30, -2.5e7, float("inf"), 0.0], dtype=torch.float32)
-    y = torch.empty_like(x)
-    _round_kernel[(1,)](x, y, x.numel(), BLOCK=16)
-    want = [one, one, one + ulp, one + ulp, -(one + ulp), None, None, None, float("inf"), 0.0]
-    for value, got, expected in zip(x.tolist(), y.tolist(), want, strict=True):
-        bits = torch.tensor([got], dtype=torch.float32).view(torch.int32).item()
-        assert bits & 0x1FFF == 0, f"{value}: {got} keeps more than TF32's bits"
-        nearest = got == value or abs(got - value) <= abs(value) * 2.0 ** -11
-        assert nearest, f"{value}: {got} is not the nearest TF32 value"
-        if expected is not None:
-            assert got == expected, f"{value}: {got}, want {expected}"
