@@ -217,17 +217,20 @@ def search_list(problem: Problem, families, entries, static_weight=False) -> tup
 
 def _tune(pairs, x2d, weight, bias, activation, static_weight):
     """``(family name, config)``: the fastest of ``pairs`` at the bucket's largest batch. A direct call
-    runs its own rows, not the bucket's: where they differ, the winner and every vendor candidate
-    are timed again at those rows and the fastest kept (the library is what a layer must never lose
-    to, and cuBLAS picks its algorithm per M: at M=293 N=6248 K=5824 bf16 its bias-only GEMM won at
-    the bucket's 320 rows and ran 1.12x slower than its fused epilogue at 293, kernels.jsonl:41).
-    A runner's padded batches are timed once."""
+    runs its own rows, not the bucket's: where they differ, the winner, our fastest and every vendor
+    op are timed again at those rows and the fastest kept. cuBLAS's speed moves with M: at M=293
+    N=6248 K=5824 bf16 its bias-only GEMM won at the bucket's 320 rows and ran 1.12x slower than its
+    fused epilogue at 293 (kernels.jsonl:41); at M=611 N=1536 K=7064 bf16 it won at 640 rows and
+    ran 1.16x slower than our split-K at 611 (kernels.jsonl:45). A runner's padded batches are timed once."""
     x_timed = bucket_rows(x2d)
     timings, best = _time(pairs, x_timed, weight, bias, activation, static_weight)
-    vendor = [pair for _, pair in timings if pair[0] == VENDOR and pair != best]
-    if x_timed is x2d or not vendor:
+    if x_timed is x2d:
         return best
-    return _time([best, *vendor], x2d, weight, bias, activation, static_weight)[1]
+    ours = [pair for _, pair in sorted(timings, key=lambda t: t[0]) if pair[0] != VENDOR][:1]
+    again = [best] + [pair for pair in ours + [p for _, p in timings if p[0] == VENDOR] if pair != best]
+    if len(again) == 1:
+        return best
+    return _time(again, x2d, weight, bias, activation, static_weight)[1]
 
 
 def _time(pairs, x2d, weight, bias, activation, static_weight):

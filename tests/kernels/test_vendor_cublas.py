@@ -323,6 +323,29 @@ def test_a_direct_call_takes_the_librarys_faster_op_at_its_own_rows(fake_gpu, mo
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
+def test_a_direct_call_takes_ours_where_the_library_won_only_at_the_buckets_rows(fake_gpu, monkeypatch):
+    # cuBLAS ran 611 rows 1.16x slower than our split-K, after winning at the bucket's 640.
+    timed_rows, timed_again = [], []
+    real_sets = choosing.rotating_sets
+    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    ms = {128: {"triton_tiled": 2.0, "triton_small_m": 1.1, VENDOR: 1.0},
+          70: {"triton_tiled": 0.5, "triton_small_m": 0.9, VENDOR: 1.0}}
+
+    def timer(run):
+        name, _ = timers.timing_candidate.get()
+        if timed_rows[-1] == 70:
+            timed_again.append(name)
+        return lambda repeats: [ms[timed_rows[-1]][name]] * repeats
+    monkeypatch.setattr(choosing, "default_timer", lambda calls_hint=1: timer)
+    x, w, b = make(70, 40, 136, torch.float16, device="cpu")
+    with provisional.choosing_mode("tune"):
+        choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
+    assert choice.kernel == "triton_small_m" and timed_rows == [128, 70]
+    assert "triton_tiled" not in timed_again, "only our fastest at the bucket's rows is timed again"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
 def test_a_first_call_times_a_short_list_and_tuning_replaces_it(fake_gpu, monkeypatch):
     timed = []
     ms = {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}
