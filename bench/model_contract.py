@@ -10,11 +10,13 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
 rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
 "torch_graph_device_us", "fusedserve_device_us", "fusedserve_replay_us", "torch_graph_replay_us",
-"fusedserve_peer_style_us", "host_path_extra_us", "order_penalty_us", "ratio_blocks", "graph", "path",
-"choices", "kernels", "mismatch"?}]
+"fusedserve_peer_style_us", "host_path_extra_us", "staging_extra_us", "order_penalty_us", "ratio_blocks",
+"graph", "path", "choices", "kernels", "mismatch"?}]
 (replay: a replay's wall time with its synchronize, no copies; peer_style: our replay inside the
 peer's own call sequence, alternated with ``run``; host_path_extra: ``run`` minus that, the cost of
-the runner's host work in the same pass),
+the runner's host work in the same pass; staging_extra: the same replay between the runner's own
+copies in and out, minus the peer's sequence, alternated: the share of host_path_extra its
+staging accounts for),
 "summary", "method", "complete", "skipped"; rewritten after every row. Prints the targets of issue 23
 (ratio = torch us / fusedserve us: >= 1.0 everywhere, >= 1.3 where launch-bound).
 
@@ -156,14 +158,20 @@ class RunnerAsPeer:
     pinned copies, no checks or locks of ``run``): against ``run``, the cost of the runner's host
     path; against the peer, what the graph and its buffers cost."""
 
-    def __init__(self, runner: ModelRunner, batch: int):
+    def __init__(self, runner: ModelRunner, batch: int, staging: bool = False):
         self.runner, self.batch = runner, batch
         self.bucket = bucket_of(batch, runner.max_batch_size)
         self.host_in = torch.empty(batch, runner.in_features, pin_memory=True)
         self.host_out = torch.empty(batch, runner.out_features, pin_memory=True)
         self.device_in = runner.input_buffer[:batch]
+        # The runner's own copies in and out (its Staging) around the same replay: against the
+        # peer's sequence, what the staging costs; against ``run``, what the rest of ``run`` does.
+        self.staging = runner._staging if staging else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.staging is not None:
+            self.staging.copy_in(x, self.batch)
+            return self.staging.copy_out(self.runner.compute(self.bucket), self.batch)
         self.host_in.copy_(x)
         self.device_in.copy_(self.host_in, non_blocking=True)
         out = self.runner.compute(self.bucket)
@@ -223,6 +231,9 @@ def time_row(runner: ModelRunner, peer: TorchGraphContract, x: torch.Tensor, buc
     run_again_us, times["fusedserve_peer_style_us"] = alternate(run, functools.partial(RunnerAsPeer(runner, batch), x),
                                                                 calls // 4)
     times["host_path_extra_us"] = run_again_us - times["fusedserve_peer_style_us"]
+    staged_us, peer_style_again_us = alternate(functools.partial(RunnerAsPeer(runner, batch, staging=True), x),
+                                               functools.partial(RunnerAsPeer(runner, batch), x), calls // 4)
+    times["staging_extra_us"] = staged_us - peer_style_again_us
     e2e_block()
     times["order_penalty_us"] = order_penalty(run, calls // 4)
     times["fusedserve_us"] = statistics.median(ours for ours, _ in blocks)
@@ -266,7 +277,8 @@ def log_row(name: str, row: dict) -> None:
         f"{row['torch_graph_us']:8.1f} us ({row['ratio']:.2f}x; blocks {row['ratio_blocks']}); device "
         f"{row['fusedserve_device_us']:.1f} vs {row['torch_graph_device_us']:.1f} us, replay+sync "
         f"{row['fusedserve_replay_us']:.1f} vs {row['torch_graph_replay_us']:.1f} us, ours called as the peer "
-        f"{row['fusedserve_peer_style_us']:.1f} us (run() {row['host_path_extra_us']:+.1f} us), "
+        f"{row['fusedserve_peer_style_us']:.1f} us (run() {row['host_path_extra_us']:+.1f} us, its staging "
+        f"{row['staging_extra_us']:+.1f} us), "
         f"first of a fixed pair {row['order_penalty_us']:+.1f} us"
         f"{'' if row['graph'] else ', EAGER'}{' MISMATCH ' + row['mismatch'] if 'mismatch' in row else ''}")
     log(f"    {' | '.join(row['kernels'])}")

@@ -54,7 +54,7 @@ def test_a_slow_block_of_end_to_end_pairs_does_not_set_the_ratio(monkeypatch):
     runner = SimpleNamespace(run=run, compute=lambda bucket: None)
     monkeypatch.setattr(model_contract, "device_us", lambda step: 1.0)
     monkeypatch.setattr(model_contract, "synchronized", lambda step: step)
-    monkeypatch.setattr(model_contract, "RunnerAsPeer", lambda runner, batch: lambda x: busy(100))
+    monkeypatch.setattr(model_contract, "RunnerAsPeer", lambda runner, batch, staging=False: lambda x: busy(100))
     monkeypatch.setattr(model_contract, "alternate", functools.partial(model_contract.alternate, warmup=0))
     class Peer:  # the torch graph: 150 us a call
         graph = SimpleNamespace(replay=lambda: None)
