@@ -161,12 +161,13 @@ class RunnerAsPeer:
     def __init__(self, runner: ModelRunner, batch: int, staging: bool = False):
         self.runner, self.batch = runner, batch
         self.bucket = bucket_of(batch, runner.max_batch_size)
-        self.host_in = torch.empty(batch, runner.in_features, pin_memory=True)
-        self.host_out = torch.empty(batch, runner.out_features, pin_memory=True)
-        self.device_in = runner.input_buffer[:batch]
         # The runner's own copies in and out (its Staging) around the same replay: against the
         # peer's sequence, what the staging costs; against ``run``, what the rest of ``run`` does.
         self.staging = runner._staging if staging else None
+        if self.staging is None:
+            self.host_in = torch.empty(batch, runner.in_features, pin_memory=True)
+            self.host_out = torch.empty(batch, runner.out_features, pin_memory=True)
+            self.device_in = runner.input_buffer[:batch]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.staging is not None:
@@ -228,11 +229,11 @@ def time_row(runner: ModelRunner, peer: TorchGraphContract, x: torch.Tensor, buc
         synchronized(functools.partial(runner.compute, bucket)), synchronized(peer.graph.replay), calls // 4)
     e2e_block()
     # The runner's host path against the peer's call sequence around the same graph, alternated.
-    run_again_us, times["fusedserve_peer_style_us"] = alternate(run, functools.partial(RunnerAsPeer(runner, batch), x),
-                                                                calls // 4)
+    as_peer = functools.partial(RunnerAsPeer(runner, batch), x)
+    run_again_us, times["fusedserve_peer_style_us"] = alternate(run, as_peer, calls // 4)
     times["host_path_extra_us"] = run_again_us - times["fusedserve_peer_style_us"]
     staged_us, peer_style_again_us = alternate(functools.partial(RunnerAsPeer(runner, batch, staging=True), x),
-                                               functools.partial(RunnerAsPeer(runner, batch), x), calls // 4)
+                                               as_peer, calls // 4)
     times["staging_extra_us"] = staged_us - peer_style_again_us
     e2e_block()
     times["order_penalty_us"] = order_penalty(run, calls // 4)
