@@ -11,7 +11,7 @@ import torch
 
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.family import KernelFamily
-from fusedserve.kernels.rules import SMALL_M_MAX, few_tiles_long_k
+from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, SMALL_M_MAX, few_tiles_long_k
 
 NAME = "torch_cublas"
 
@@ -21,7 +21,7 @@ NAME = "torch_cublas"
 CANDIDATES = ({"op": "addmm_act"}, {"op": "linear"})
 # At this many float32 rows and fewer our GEMV kept up with the library, K off 16 or not.
 _FP32_GEMV_MAX_M = 8
-# Weights (N * K) of a layer small enough that, past 64 rows, the table's family starts it, not the library.
+# Weights (N * K) of a layer small enough that at 65-256 rows the table's family starts it, not the library.
 _SMALL_LAYER = 1 << 21
 _DESCRIPTIONS = {
     "addmm_act": "cuBLASLt, bias and relu/gelu in its epilogue",
@@ -71,11 +71,14 @@ def provisional_first(p) -> bool:
     ``SMALL_M_MAX`` rows: the library won most shapes there once tuned, and trails the winner by
     little where it lost, while the nearest measured shape's family was often far off
     (docs/kernels.md, "Provisional choices"); but not small layers (``_SMALL_LAYER`` weights or
-    fewer), where our kernels won most tuned shapes and the library ran up to 1.63x slower. 16-bit
+    fewer) up to ``GLUON_SMALL_M_MAX`` rows, where the Gluon weight-streaming kernel won most tuned
+    shapes and the library ran up to 1.63x slower (past them the table's tiled kernel started
+    1.13-2.38x slower on shapes the library won, the library 1.16x at worst). 16-bit
     from 2 rows where few W tiles stream a long K (``rules.few_tiles_long_k``): the library won all 3
     such tuned H100 shapes, up to 1.65x faster than the Gluon kernel the table's nearest shape named."""
     if p.half:
-        return (p.M > SMALL_M_MAX and p.N * p.K > _SMALL_LAYER) or (p.M >= 2 and few_tiles_long_k(p))
+        small_layer = p.N * p.K <= _SMALL_LAYER and p.M <= GLUON_SMALL_M_MAX
+        return (p.M > SMALL_M_MAX and not small_layer) or (p.M >= 2 and few_tiles_long_k(p))
     return p.dtype == torch.float32 and p.K % 4 != 0 and p.M > _FP32_GEMV_MAX_M
 
 
