@@ -38,7 +38,7 @@ from fusedserve.kernels.gluon.common import (
     warpgroup_mma_wait,
 )
 from fusedserve.kernels.provisional import closest_config
-from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, SMS, short_and_wide, w_tiles
+from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, SHORT_K, SMS, short_and_wide, w_tiles
 from fusedserve.kernels.triton.small_m import tile_counters
 
 NAME = "gluon_small_m"
@@ -282,7 +282,8 @@ def _unfit(p):
 # Before tuning, K is split in two where fewer programs than this stream a K at least this long: 63 of
 # the 64 tuned H100 shapes of the table agree (docs/kernels.md, "Provisional choices").
 _SPLIT_BELOW_PROGRAMS, _SPLIT_MIN_K = 32, 3072
-# Up to this many rows (one X tile of wgmma's narrowest n) short and wide layers start on 128-wide K tiles.
+# Up to this many rows (one X tile of wgmma's narrowest n) short and wide layers start on 128-wide K tiles,
+# and from 2 rows the others with K >= ``SHORT_K`` on 256-wide ones in a 5-deep ring.
 _SHORT_TILE_MAX_M = 8
 
 
@@ -294,11 +295,15 @@ def _provisional_first(p) -> bool:
 
 def _provisional_config(p, configs: list[dict], measured: dict) -> dict:
     """The candidate closest to the measured config, its K tiles 128 wide where K is short and W
-    wide at up to 8 rows (they won all 6 such tuned H100 shapes) and K split in two where few programs
-    stream a long K (``_SPLIT_BELOW_PROGRAMS``, ``_SPLIT_MIN_K``)."""
+    wide at up to 8 rows (they won all 6 such tuned H100 shapes), 256 wide in a 5-deep ring at 2 to 8
+    rows where K >= ``SHORT_K`` (tuned so on 5 of 6 such H100 shapes that started 128 wide and 4
+    deep, 1.07-1.14x slower: docs/kernels.md, "Provisional against tuned"), and K split in two
+    where few programs stream a long K (``_SPLIT_BELOW_PROGRAMS``, ``_SPLIT_MIN_K``)."""
     want = dict(measured)
     if p.M <= _SHORT_TILE_MAX_M and short_and_wide(p):
         want["BLOCK_K"] = 128
+    elif 2 <= p.M <= _SHORT_TILE_MAX_M and p.K >= SHORT_K:
+        want.update(BLOCK_K=256, STAGES=5)
     programs = w_tiles(p) * triton.cdiv(p.M, measured.get("BLOCK_M", block_m(p.M)))
     want["SPLIT_K"] = 2 if programs < _SPLIT_BELOW_PROGRAMS and p.K >= _SPLIT_MIN_K else 1
     fitting = [c for c in configs if all(c[k] == want[k] for k in ("BLOCK_K", "SPLIT_K") if k in want)]

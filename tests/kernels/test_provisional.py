@@ -104,6 +104,28 @@ def test_the_gluon_kernel_starts_split_where_few_programs_stream_a_long_k(N, K, 
     assert config in family.candidates(problem)
 
 
+@pytest.mark.parametrize("M", [2, 4, 5, 8])
+@pytest.mark.parametrize("N, K", [(8160, 5336), (1472, 10808), (3256, 2864), (2272, 1056)])
+def test_the_gluon_kernel_starts_256_deep_in_a_5_stage_ring_at_a_few_rows_of_long_k(M, N, K):
+    # Rule: at 2-8 rows with K >= 1024, 5 of 6 H100 shapes started 128 deep and 4 stages (their
+    # nearest measured config) tuned to 256 deep and 5 stages; the start ran 1.07-1.14x slower.
+    problem = hopper(tuning_rows(M), N, K)
+    family = registry.family("gluon_small_m")
+    measured = {"BLOCK_N": 64, "BLOCK_M": 8, "BLOCK_K": 128, "SPLIT_K": 1, "STAGES": 4, "num_warps": 4}
+    config = provisional.start_config(family, problem, family.candidates(problem), measured)
+    assert (config["BLOCK_K"], config["STAGES"]) == (256, 5), config
+    assert config in family.candidates(problem)
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 2272, 1056), (16, 2272, 1056), (4, 1472, 1016), (4, 12688, 304)])
+def test_one_row_sixteen_or_short_k_keep_the_measured_depth(M, N, K):
+    problem = hopper(M, N, K)
+    family = registry.family("gluon_small_m")
+    measured = {"BLOCK_N": 64, "BLOCK_M": 8, "BLOCK_K": 128, "SPLIT_K": 1, "STAGES": 4, "num_warps": 4}
+    config = provisional.start_config(family, problem, family.candidates(problem), measured)
+    assert (config["BLOCK_K"], config["STAGES"]) != (256, 5), config
+
+
 def test_a_family_without_its_own_rule_starts_on_the_closest_or_first_candidate():
     family = registry.family("triton_tiled")
     assert family.provisional_config is None
