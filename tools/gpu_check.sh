@@ -24,6 +24,8 @@
 #   both seeds default to one from the clock; RANDOM_DTYPES, e.g. float32, draws those dtypes instead
 #   of bf16/fp16; RANDOM_PRECOMPILE=1 compiles every shape's candidates first in parallel, so more
 #   shapes fit the budget; RANDOM_SEARCH=near tunes as a server does, default full).
+# configs: bench/configs.py $CONFIGS_FAMILY (gluon_small_m) at $CONFIGS_SHAPES ("MxNxK[:dtype] ..."), its best
+#   configs again with each of $CONFIGS_VARY ("KEY=V,KEY=V ...") applied, against the library.
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
 #   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning).
 # onnx-peer: bench/onnx_peer.py (imported ONNX models vs onnxruntime on the same file; ONNX_DTYPE; needs
@@ -233,6 +235,8 @@ print(f\"engine code imported in {time.perf_counter() - t:.2f} s\")"; done; sort
             --tuning-timeout-s 360 --out "$out" ;;
         start-up-load) stage start-up-load 590 python3 bench/startup.py --tuning --ready-timeout-s 120 \
             --tuning-timeout-s "${LOAD_TUNING_S:-300}" --clients "${LOAD_CLIENTS:-256}" --h2load .tools --out "$out" ;;
+        configs) stage configs "${CONFIGS_LIMIT_S:-240}" python3 bench/configs.py "${CONFIGS_FAMILY:-gluon_small_m}" \
+            $CONFIGS_SHAPES ${CONFIGS_VARY:+--vary $CONFIGS_VARY} --out "$out" ;;
         tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} ${TUNING_AHEAD:+--ahead} \
             ${TUNING_SEARCH:+--search $TUNING_SEARCH} \
             --out "$out" ;;
