@@ -26,6 +26,8 @@
 #   shapes fit the budget; RANDOM_SEARCH=near tunes as a server does, default full).
 # configs: bench/configs.py $CONFIGS_FAMILY (gluon_small_m) at $CONFIGS_SHAPES ("MxNxK[:dtype] ..."), its best
 #   configs again with each of $CONFIGS_VARY ("KEY=V,KEY=V ...") applied, against the library.
+# host-path: bench/host_path.py at $HOST_PATH_CASES ("WIDTHS:DTYPE:BATCH ..."; HOST_PATH_AT_READY=1: provisional
+#   choices): run() against itself with one host step done the peer's way.
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
 #   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning).
 # onnx-peer: bench/onnx_peer.py (imported ONNX models vs onnxruntime on the same file; ONNX_DTYPE; needs
@@ -237,6 +239,8 @@ print(f\"engine code imported in {time.perf_counter() - t:.2f} s\")"; done; sort
             --tuning-timeout-s "${LOAD_TUNING_S:-300}" --clients "${LOAD_CLIENTS:-256}" --h2load .tools --out "$out" ;;
         configs) stage configs "${CONFIGS_LIMIT_S:-240}" python3 bench/configs.py "${CONFIGS_FAMILY:-gluon_small_m}" \
             $CONFIGS_SHAPES ${CONFIGS_VARY:+--vary $CONFIGS_VARY} --out "$out" ;;
+        host-path) stage host-path "${HOST_PATH_LIMIT_S:-240}" python3 bench/host_path.py $HOST_PATH_CASES \
+            ${HOST_PATH_AT_READY:+--at-ready} --out "$out" ;;
         tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} ${TUNING_AHEAD:+--ahead} \
             ${TUNING_SEARCH:+--search $TUNING_SEARCH} \
             --out "$out" ;;

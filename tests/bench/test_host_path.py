@@ -1,0 +1,43 @@
+"""bench/host_path.py: its cases, and the changes it makes to a runner undone after each call (the
+timing itself needs a GPU)."""
+
+import argparse
+import contextlib
+import threading
+
+import pytest
+
+from bench.host_path import no_lock, parse_case, replaced
+
+
+def test_a_case_is_widths_dtype_and_batch():
+    assert parse_case("8-160-736:float32:44") == (("host_8-160-736", 8, (160,), 736, "float32"), 44)
+
+
+@pytest.mark.parametrize("text", ["8-160-736:float32", "8:float32:4", "8-16:int8:4", "8-16:float16:0", "a-b:float16:1"])
+def test_a_bad_case_is_refused_saying_the_form(text):
+    with pytest.raises(argparse.ArgumentTypeError, match=":BATCH"):
+        parse_case(text)
+
+
+class _Staging:
+    def copy_out(self, out, rows):
+        return "the class's"
+
+
+def test_a_replaced_method_comes_back_after_the_block():
+    staging = _Staging()
+    with replaced(staging, "copy_out", lambda out, rows: "the variant's"):
+        assert staging.copy_out(None, 1) == "the variant's"
+    assert staging.copy_out(None, 1) == "the class's" and "copy_out" not in vars(staging)
+
+
+def test_no_lock_puts_the_runners_lock_back():
+    class Runner:
+        _lock = threading.RLock()
+
+    runner = Runner()
+    lock = runner._lock
+    with no_lock(runner):
+        assert isinstance(runner._lock, contextlib.nullcontext)
+    assert runner._lock is lock
