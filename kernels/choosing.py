@@ -226,7 +226,8 @@ def _tune(pairs, x2d, weight, bias, activation, static_weight):
     timings, best = _time(pairs, x_timed, weight, bias, activation, static_weight)
     if x_timed is x2d:
         return best
-    ours = [pair for _, pair in sorted(timings, key=lambda t: t[0]) if pair[0] != VENDOR][:1]
+    own = [(ms, pair) for ms, pair in timings if pair[0] != VENDOR]
+    ours = [min(own, key=lambda t: t[0])[1]] if own else []
     again = [best] + [pair for pair in ours + [p for _, p in timings if p[0] == VENDOR] if pair != best]
     if len(again) == 1:
         return best

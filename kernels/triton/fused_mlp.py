@@ -154,9 +154,9 @@ def fused_mlp_candidates(M: int, N: int, K: int, dtype: torch.dtype, sms: int = 
     the whole chain, may pick them."""
     configs = [fused_mlp_config(M, N, K, dtype, sms)]
 
-    def add(block_m, block_n, block_k, num_warps, fma=False):
+    def add(block_m, block_n, block_k, num_warps):  # a tensor-core tile (FMA tiles come from _fma_tile)
         config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps,
-                  "num_stages": 3, "FMA": fma}
+                  "num_stages": 3, "FMA": False}
         if config not in configs:
             configs.append(config)
 
