@@ -73,30 +73,49 @@ def _row_tiles(M, N):
 # sweep: 256 deep won at M <= 16 and for narrow layers, 128 deep with a deep ring at M = 32 and 64,
 # and with a 4-deep ring for the widest layer timed (N=11008).
 _DEPTHS = ((256, None), (128, None), (128, 4), (64, None))
+# The K splits offered with the tallest X tile.
+_SPLITS = (1, 2)
+# Wider W tiles (rows, warps, from this many rows of X) offered with the tallest X tile: none yet.
+_WIDE_TILES: tuple[tuple[int, int, int], ...] = ()
 
 
 def candidates(M, N, K, dtype):
     """Configs worth timing: 64-row W tiles at the depths of ``_DEPTHS`` with the tallest X tile,
-    each unsplit and split in two along K (where each half keeps >= 2 K tiles); then, unsplit along
-    K, the shorter X tiles of ``_row_tiles`` at the two deepest tiles of ``_DEPTHS``. Where a grid
-    has more programs than an H200 has SMs, each ring comes twice: sized so that two programs share
-    an SM, and as deep as one program alone can have (the last wave then runs part full, which
-    still won at N=11008: docs/kernels.md)."""
+    each unsplit and split along K (``_SPLITS``, where each part keeps >= 2 K tiles); then, unsplit
+    along K, the shorter X tiles of ``_row_tiles`` at the two deepest tiles of ``_DEPTHS``; then the
+    wider W tiles of ``_WIDE_TILES`` with the tallest X tile. Where a grid has more programs than an
+    H200 has SMs, each ring comes twice: sized so that two programs share an SM, and as deep as one
+    program alone can have (the last wave then runs part full, which still won at N=11008:
+    docs/kernels.md)."""
     configs = []
     for i, bm in enumerate(_row_tiles(M, N)):
         for block_k, stages in _DEPTHS if i == 0 else _DEPTHS[:2]:
-            for s in (1, 2) if i == 0 else (1, ):
-                programs = triton.cdiv(N, 64) * triton.cdiv(M, bm) * s
-                shared = (_SMEM_BUDGET // 2, ) if programs > SMS else ()
-                for budget in shared + (_SMEM_BUDGET, ):
-                    deepest = min(12, budget // ((64 + bm) * block_k * 2))
-                    depth = deepest if stages is None else min(stages, deepest)
-                    if depth < 3 or (block_k == 64 and bm <= 64):  # 64 deep only pays where X's tile is wide
-                        continue
-                    config = dict(BLOCK_N=64, BLOCK_M=bm, BLOCK_K=block_k, SPLIT_K=s, STAGES=depth, num_warps=4)
-                    if (s == 1 or triton.cdiv(K, block_k) >= 2 * s) and config not in configs:
-                        configs.append(config)
+            for s in _SPLITS if i == 0 else (1, ):
+                _add_rings(configs, M, N, K, dict(BLOCK_N=64, BLOCK_M=bm, BLOCK_K=block_k, SPLIT_K=s, num_warps=4),
+                           stages)
+    bm = block_m(M)
+    for rows, warps, min_m in _WIDE_TILES:
+        for block_k, stages in _DEPTHS[:2] if M >= min_m else ():
+            for s in _SPLITS:
+                _add_rings(configs, M, N, K, dict(BLOCK_N=rows, BLOCK_M=bm, BLOCK_K=block_k, SPLIT_K=s,
+                                                  num_warps=warps), stages)
     return configs
+
+
+def _add_rings(configs, M, N, K, tile, stages):
+    """``tile`` with its ring (``stages`` deep, or the deepest that fits where None) added to
+    ``configs`` unless there, too shallow, or split into parts of under 2 K tiles; a second, half-size
+    ring where the grid is over one wave."""
+    bn, bm, block_k, s = tile["BLOCK_N"], tile["BLOCK_M"], tile["BLOCK_K"], tile["SPLIT_K"]
+    programs = triton.cdiv(N, bn) * triton.cdiv(M, bm) * s
+    for budget in ((_SMEM_BUDGET // 2, ) if programs > SMS else ()) + (_SMEM_BUDGET, ):
+        deepest = min(12, budget // ((bn + bm) * block_k * 2))
+        depth = deepest if stages is None else min(stages, deepest)
+        if depth < 3 or (block_k == 64 and bm <= 64):  # 64 deep only pays where X's tile is wide
+            continue
+        config = dict(BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=block_k, SPLIT_K=s, STAGES=depth, num_warps=tile["num_warps"])
+        if (s == 1 or triton.cdiv(K, block_k) >= 2 * s) and config not in configs:
+            configs.append(config)
 
 
 @gluon.constexpr_function
