@@ -39,6 +39,17 @@ def test_candidates_fit_and_split_sensibly(M, N, K):
         assert c["SPLIT_K"] == 1 or k_tiles >= 2 * c["SPLIT_K"], f"{c}: {k_tiles} K tiles"
 
 
+def test_wider_w_tiles_come_with_the_tallest_x_tile_from_their_rows(monkeypatch):
+    monkeypatch.setattr(gluon_small_m, "_WIDE_TILES", ((128, 8, 17), ))
+    monkeypatch.setattr(gluon_small_m, "_SPLITS", (1, 2, 4))
+    wide = [c for c in gluon_small_m.candidates(40, 4856, 3976, torch.bfloat16) if c["BLOCK_N"] == 128]
+    assert wide and all((c["BLOCK_M"], c["num_warps"]) == (64, 8) for c in wide), wide
+    assert {c["SPLIT_K"] for c in wide} == {1, 2, 4}, wide
+    for c in wide:  # the ring sized for the wider tile
+        assert 3 <= c["STAGES"] and c["STAGES"] * (128 + 64) * c["BLOCK_K"] * 2 <= gluon_small_m._SMEM_BUDGET, c
+    assert all(c["BLOCK_N"] == 64 for c in gluon_small_m.candidates(16, 4856, 3976, torch.bfloat16))
+
+
 @pytest.mark.parametrize("M, expected", [(1, 8), (7, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64), (100, 128),
                                          (200, 128)])
 def test_x_tile_rows(M, expected):
