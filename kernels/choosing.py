@@ -7,10 +7,9 @@ tune cache keeps the winner. Which candidates: by default a near search (``SEARC
 provisional choice, the vendor's GEMM and what won at the GPU's nearest measured shapes; with
 "full", every family's every config. A first call outside any tuning (``kernels.provisional.mode()``
 None: a user's direct call) times a short list instead, the provisional choice and the vendor's
-GEMM, so it answers in well under a second, and keeps the winner as a "quick" entry that a tuning
-call replaces. Under the interpreter the first
-offered family runs its fixed config. Where
-nothing may be timed (a CUDA-graph capture, which timing would break, or a thread in
+GEMM, once and at the call's own rows, so it answers in well under a second, and keeps the
+winner as a "quick" entry that a tuning call replaces. Under the interpreter the first offered
+family runs its fixed config. Where nothing may be timed (a CUDA-graph capture, which timing would break, or a thread in
 ``provisional`` mode: the model runner's start-up) an untuned bucket runs its provisional choice
 (``kernels.provisional``: a shipped table or the rules), remembered per key so that later calls
 outside a tuning thread keep it until the bucket is tuned.
@@ -171,7 +170,7 @@ def choose(problem: Problem, x2d, weight, bias, activation, static_weight=False,
     else:
         pairs = _short_list(families, problem, x2d.device, static_weight)
         narrow = QUICK if len(pairs) < len(every_candidate(families, problem)) else None
-    kernel, config = _tune(pairs, x2d, weight, bias, activation, static_weight)
+    kernel, config = _tune(pairs, x2d, weight, bias, activation, static_weight, at_call_rows=narrow == QUICK)
     cache.put(key, {"kernel": kernel, "config": config, **({narrow: True} if narrow else {})})
     return Choice(kernel, config, tuned=True, source=narrow or "tuned")
 
@@ -215,13 +214,16 @@ def search_list(problem: Problem, families, entries, static_weight=False) -> tup
     return (pairs, NEAR) if len(pairs) < len(every) else (every, None)
 
 
-def _tune(pairs, x2d, weight, bias, activation, static_weight):
+def _tune(pairs, x2d, weight, bias, activation, static_weight, at_call_rows=False):
     """``(family name, config)``: the fastest of ``pairs`` at the bucket's largest batch. A direct call
     runs its own rows, not the bucket's: where they differ, the winner, our fastest and every vendor
-    op are timed again at those rows and the fastest kept. cuBLAS's speed moves with M: at M=293
+    op are timed again at those rows and the fastest kept (``at_call_rows``: a short list, timed at
+    those rows alone; a tuning call replaces its entry). cuBLAS's speed moves with M: at M=293
     N=6248 K=5824 bf16 its bias-only GEMM won at the bucket's 320 rows and ran 1.12x slower than its
     fused epilogue at 293 (kernels.jsonl:41); at M=611 N=1536 K=7064 bf16 it won at 640 rows and
     ran 1.16x slower than our split-K at 611 (kernels.jsonl:45). A runner's padded batches are timed once."""
+    if at_call_rows:
+        return _time(pairs, x2d, weight, bias, activation, static_weight)[1]
     x_timed = bucket_rows(x2d)
     timings, best = _time(pairs, x_timed, weight, bias, activation, static_weight)
     if x_timed is x2d:

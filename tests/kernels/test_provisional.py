@@ -176,7 +176,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     tuned = []
 
-    def fake_tune(pairs, x2d, *args):
+    def fake_tune(pairs, x2d, *args, **kwargs):
         tuned.append(x2d.shape[0])
         return pairs[-1][0], {"timed": True}
 
@@ -232,7 +232,7 @@ def test_near_candidates_take_the_nearest_winners_once_each_among_offered_famili
 
 def test_a_near_search_times_a_few_candidates_and_a_full_one_redoes_it(fake_gpu, monkeypatch):
     timed_pairs = []
-    monkeypatch.setattr(choosing, "_tune", lambda pairs, *args: timed_pairs.append(pairs) or pairs[-1])
+    monkeypatch.setattr(choosing, "_tune", lambda pairs, *args, **kwargs: timed_pairs.append(pairs) or pairs[-1])
     problem = hopper(300)
     x, w = torch.empty(300, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
     every = choosing.every_candidate(registry.offered(problem), problem)

@@ -315,6 +315,24 @@ def test_a_direct_call_keeps_ours_only_where_it_beats_the_library_at_its_own_row
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
+def test_a_first_call_times_its_short_list_once_at_its_own_rows(fake_gpu, monkeypatch):
+    # Outside any tuning a first call answers quickly: one timing pass, at the rows it runs.
+    timed_rows = []
+    real_sets = choosing.rotating_sets
+    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    ms = {70: {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}}
+
+    def timer(run):
+        name, _ = timers.timing_candidate.get()
+        return lambda repeats: [ms[timed_rows[-1]][name]] * repeats
+    monkeypatch.setattr(choosing, "default_timer", lambda calls_hint=1: timer)
+    x, w, b = make(70, 40, 136, torch.float16, device="cpu")
+    choice = choosing.choose(problem_of(x, w), x, w, b, "relu")
+    assert (choice.source, timed_rows) == ("quick", [70])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
 def test_a_direct_call_takes_the_librarys_faster_op_at_its_own_rows(fake_gpu, monkeypatch):
     # cuBLAS picks its algorithm per M: the op that wins at the bucket's rows may lose at the call's.
     timed_rows = []
