@@ -241,6 +241,13 @@ def fake_gpu(monkeypatch, tmp_path):
     return cache
 
 
+def rows_timed(monkeypatch) -> list[int]:
+    """The rows of each timing pass the tuner makes (one per set of rotating arguments), in order."""
+    timed_rows, real_sets = [], choosing.rotating_sets
+    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    return timed_rows
+
+
 def timer_by_family(monkeypatch, ms, launched):
     """Replace the tuner's timer: a candidate's samples are ``ms[(family, op)]`` or ``ms[family]``.
     Only the library's launches run (torch on the CPU; ours would be slow in the interpreter), and
@@ -298,9 +305,7 @@ def test_the_tuner_keeps_ours_where_ours_is_faster(fake_gpu, monkeypatch):
 ])
 def test_a_direct_call_keeps_ours_only_where_it_beats_the_library_at_its_own_rows(
         fake_gpu, monkeypatch, rows, at_own_rows, kept):
-    timed_rows = []
-    real_sets = choosing.rotating_sets
-    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    timed_rows = rows_timed(monkeypatch)
     ms = {128: {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}, 70: at_own_rows}
 
     def timer(run):
@@ -317,9 +322,7 @@ def test_a_direct_call_keeps_ours_only_where_it_beats_the_library_at_its_own_row
 @pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
 def test_a_first_call_times_its_short_list_once_at_its_own_rows(fake_gpu, monkeypatch):
     # Outside any tuning a first call answers quickly: one timing pass, at the rows it runs.
-    timed_rows = []
-    real_sets = choosing.rotating_sets
-    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    timed_rows = rows_timed(monkeypatch)
     ms = {70: {"triton_tiled": 2.0, "triton_small_m": 0.9, VENDOR: 1.0}}
 
     def timer(run):
@@ -335,9 +338,7 @@ def test_a_first_call_times_its_short_list_once_at_its_own_rows(fake_gpu, monkey
 @pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
 def test_a_direct_call_takes_the_librarys_faster_op_at_its_own_rows(fake_gpu, monkeypatch):
     # cuBLAS picks its algorithm per M: the op that wins at the bucket's rows may lose at the call's.
-    timed_rows = []
-    real_sets = choosing.rotating_sets
-    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    timed_rows = rows_timed(monkeypatch)
     ms = {128: {"triton_tiled": 2.0, "triton_small_m": 1.5, "linear": 1.0, "addmm_act": 1.1},
           70: {"triton_small_m": 1.5, "linear": 1.2, "addmm_act": 1.0}}
 
@@ -355,9 +356,7 @@ def test_a_direct_call_takes_the_librarys_faster_op_at_its_own_rows(fake_gpu, mo
 @pytest.mark.skipif(ON_GPU, reason="a fake GPU on CPU tensors")
 def test_a_direct_call_takes_ours_where_the_library_won_only_at_the_buckets_rows(fake_gpu, monkeypatch):
     # cuBLAS ran 611 rows 1.16x slower than our split-K, after winning at the bucket's 640.
-    timed_rows, timed_again = [], []
-    real_sets = choosing.rotating_sets
-    monkeypatch.setattr(choosing, "rotating_sets", lambda x, w, b: timed_rows.append(x.shape[0]) or real_sets(x, w, b))
+    timed_rows, timed_again = rows_timed(monkeypatch), []
     ms = {128: {"triton_tiled": 2.0, "triton_small_m": 1.1, VENDOR: 1.0},
           70: {"triton_tiled": 0.5, "triton_small_m": 0.9, VENDOR: 1.0}}
 
