@@ -9,10 +9,10 @@ provisional choice, the vendor's GEMM and what won at the GPU's nearest measured
 None: a user's direct call) times a short list instead, the provisional choice and the vendor's
 GEMM, once and at the call's own rows, so it answers in well under a second, and keeps the
 winner as a "quick" entry that a tuning call replaces. Under the interpreter the first offered
-family runs its fixed config. Where nothing may be timed (a CUDA-graph capture, which timing would break, or a thread in
-``provisional`` mode: the model runner's start-up) an untuned bucket runs its provisional choice
-(``kernels.provisional``: a shipped table or the rules), remembered per key so that later calls
-outside a tuning thread keep it until the bucket is tuned.
+family runs its fixed config. Where nothing may be timed (a CUDA-graph capture, which timing would
+break, or a thread in ``provisional`` mode: the model runner's start-up) an untuned bucket runs its
+provisional choice (``kernels.provisional``: a shipped table or the rules), remembered per key so
+that later calls outside a tuning thread keep it until the bucket is tuned.
 """
 
 import itertools
