@@ -16,6 +16,7 @@ FAMILY_MODULES = (
     "fusedserve.kernels.triton.tma_persistent",
     "fusedserve.kernels.triton.small_m",
     "fusedserve.kernels.gluon.small_m",
+    "fusedserve.kernels.gluon.stream_k",
     "fusedserve.kernels.gluon.wgmma",
     "fusedserve.kernels.gluon.ws",
     "fusedserve.kernels.triton.split_k",

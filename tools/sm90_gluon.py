@@ -8,7 +8,7 @@ import torch
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import MockTensor
 
-from fusedserve.kernels.gluon import small_m, wgmma, ws
+from fusedserve.kernels.gluon import small_m, stream_k, wgmma, ws
 from tools import sm90
 
 
@@ -37,6 +37,18 @@ def compile_small_m(M: int, N: int, K: int, dtype: torch.dtype, config: dict, ac
                 USE_PDL=pdl, PREFETCH_W=pdl and prefetch_weight, num_warps=config["num_warps"])
     args = (w_desc, x_desc, b if has_bias else y, y, part, locks, M, N, K, N)
     return sm90.compile_sm90(small_m.gluon_small_m_kernel, args, meta, source=GluonASTSource)
+
+
+def compile_stream_k(M: int, N: int, K: int, dtype: torch.dtype, config: dict, activation: str,
+                     has_bias: bool, pdl: bool = True):
+    """One launch of the stream-K weight-streaming kernel (``gluon_stream_k``) with ``config``."""
+    x, w, y, b = _mocks(M, N, K, dtype)
+    part = MockTensor(torch.float32, [2 * stream_k.programs(N, K, config), config["BLOCK_N"] * config["BLOCK_M"]])
+    locks = MockTensor(torch.int32, [N])
+    meta = dict(HAS_BIAS=has_bias, ACTIVATION=activation, STAGES=config["STAGES"], USE_PDL=pdl,
+                num_warps=config["num_warps"])
+    args = (*stream_k.descriptors(x, w, config), b if has_bias else y, y, part, locks, M, N, K, N)
+    return sm90.compile_sm90(stream_k.gluon_stream_k_kernel, args, meta, source=GluonASTSource)
 
 
 def compile_ws(M: int, N: int, K: int, dtype: torch.dtype, config: dict, activation: str, has_bias: bool,

@@ -10,22 +10,22 @@ from fusedserve.kernels.rules import GLUON_SMALL_M_MAX, GLUON_WS_MIN_M, MID_M_MA
 HOPPER = (9, 0)
 AMPERE = (8, 0)
 TILED, TMA, SMALL_M = "triton_tiled", "triton_tma_persistent", "triton_small_m"
-GLUON, GLUON_SMALL_M, GLUON_WS = "gluon_wgmma", "gluon_small_m", "gluon_ws"
+GLUON, GLUON_SMALL_M, GLUON_WS, STREAM_K = "gluon_wgmma", "gluon_small_m", "gluon_ws", "gluon_stream_k"
 VENDOR, SPLIT_K = "torch_cublas", "triton_split_k"
 
 
 def offered(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon=False, vendor=False, N=4096,
-            K=4096, split_k=False):
-    """The families timed for this problem, the default first (Gluon's, the vendor's and split-K
-    left out unless ``gluon``, ``vendor`` and ``split_k``)."""
+            K=4096, split_k=False, stream_k=False):
+    """The families timed for this problem, the default first (Gluon's, the vendor's, split-K and
+    stream-K left out unless ``gluon``, ``vendor``, ``split_k`` and ``stream_k``)."""
     names = [f.name for f in registry.offered(Problem(M, N, K, dtype, capability, tma_aligned))]
     return tuple(n for n in names if (gluon or not n.startswith("gluon")) and (vendor or n != VENDOR)
-                 and (split_k or n != SPLIT_K))
+                 and (split_k or n != SPLIT_K) and (stream_k or n != STREAM_K))
 
 
 def test_every_family_registers_once_under_its_own_name():
     names = registry.names()
-    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS, SPLIT_K, VENDOR}
+    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS, SPLIT_K, VENDOR, STREAM_K}
     assert len(names) == len(set(names))
     assert all(registry.family(n).name == n for n in names)
     with pytest.raises(ValueError, match="kernel family must be one of"):
@@ -105,6 +105,16 @@ def test_gluon_weight_streaming_competes_at_small_batches_on_hopper(M):
     assert GLUON_SMALL_M not in offered(GLUON_SMALL_M_MAX + 1, gluon=True)
 
 
+@pytest.mark.parametrize("M", [1, 17, 128])
+def test_stream_k_weight_streaming_competes_up_to_one_x_tile_on_hopper(M):
+    names = offered(M, gluon=True, stream_k=True)
+    assert names.index(STREAM_K) == names.index(GLUON_SMALL_M) + 1, names  # never the default
+    for kwargs in (dict(dtype=torch.float32), dict(tma_aligned=False), dict(capability=AMPERE)):
+        assert STREAM_K not in offered(M, gluon=True, stream_k=True, **kwargs), kwargs
+    assert STREAM_K not in offered(129, gluon=True, stream_k=True)
+    assert registry.family(STREAM_K).near_whole, "near searches must time it: no table has measured it"
+
+
 @pytest.mark.parametrize("M", [GLUON_WS_MIN_M + 1, SMALL_M_MAX, SMALL_M_MAX + 1, 256, 4096])
 def test_warp_specialized_gluon_competes_past_small_batches_on_hopper(M):
     assert offered(M, gluon=True)[-1] == GLUON_WS
@@ -131,6 +141,7 @@ def test_everything_else_gets_the_portable_kernel(kwargs):
     (TMA, Problem(17, 40, 136, torch.float16, AMPERE, True), "Hopper GPU or the interpreter"),
     (GLUON, Problem(17, 40, 136, torch.float16, None, True), "Hopper GPU"),
     (GLUON_SMALL_M, Problem(300, 40, 136, torch.float16, HOPPER, True), "at most 256 rows"),
+    (STREAM_K, Problem(129, 40, 136, torch.float16, HOPPER, True), "at most 128 rows"),
     (GLUON_WS, Problem(300, 40, 136, torch.float32, HOPPER, True), "fp16/bf16"),
 ])
 def test_a_family_says_why_it_cannot_run_a_problem(name, problem, why):
