@@ -21,7 +21,7 @@ ON_GPU = torch.cuda.is_available()
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if ON_GPU else "cpu"
 TRITON_FAMILIES = ("triton_tiled", "triton_small_m", "triton_tma_persistent", "triton_split_k")
-GLUON_FAMILIES = ("gluon_wgmma", "gluon_small_m", "gluon_ws")
+GLUON_FAMILIES = ("gluon_wgmma", "gluon_small_m", "gluon_stream_k", "gluon_ws")
 VENDOR_FAMILIES = ("torch_cublas",)
 
 
@@ -76,7 +76,7 @@ def test_an_activation_without_a_branch_fails_instead_of_computing_the_identity(
 
 def _compile_gluon(name, activation):
     """Compile one launch of Gluon family ``name`` for sm_90 with ``activation``."""
-    from fusedserve.kernels.gluon import small_m as gluon_small_m, wgmma, ws
+    from fusedserve.kernels.gluon import small_m as gluon_small_m, stream_k, wgmma, ws
     from tools import sm90_gluon as sm90
 
     dtype = torch.bfloat16
@@ -85,6 +85,9 @@ def _compile_gluon(name, activation):
     if name == "gluon_small_m":
         config = gluon_small_m.candidates(16, 1024, 512, dtype)[0]
         return sm90.compile_small_m(16, 1024, 512, dtype, config, activation, True)
+    if name == "gluon_stream_k":
+        config = stream_k.candidates(16, 1024, 512, dtype)[0]
+        return sm90.compile_stream_k(16, 1024, 512, dtype, config, activation, True)
     return sm90.compile_ws(256, 1024, 512, dtype, ws.candidates(256, 1024, 512, dtype)[0], activation, True, True)
 
 
