@@ -55,8 +55,7 @@ def test_launch_rejects_what_it_cannot_run():
 
 # ---------------------------------------------------------------- sm_90 compile checks (CPU, CI)
 
-@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (33, 3752, 10224), (128, 4944, 3632), (8, 1000, 136)])
-@pytest.mark.parametrize("pdl", [False, True], ids=["", "pdl"])
+@pytest.mark.parametrize("M, N, K, pdl", [(33, 3752, 10224, True), (128, 4944, 3632, False), (8, 1000, 136, True)])
 def test_every_candidate_compiles_for_sm90(M, N, K, pdl):
     from tools.sm90 import ptxas_usage
     from tools.sm90_gluon import compile_stream_k
