@@ -110,6 +110,18 @@ def fixed_impls():
     }
 
 
+def warm_process(dtypes) -> float:
+    """Seconds of this process's first ``fused_linear`` calls, one 8x64x64 layer per dtype (no drawn
+    shape is that small): Triton's one-time set-up, which a server pays at start-up, so that no
+    shape's ``first_call_s`` carries it."""
+    start = time.perf_counter()
+    for dtype in dtypes:
+        x, w, b = (torch.randn(*shape, device="cuda").to(dtype) for shape in ((8, 64), (64, 64), (64, )))
+        fused_linear(x, w, b, "relu")
+    torch.cuda.synchronize()
+    return round(time.perf_counter() - start, 3)
+
+
 def make_sets(M, N, K, dtype):
     """Enough independent (x, W, b) sets that a sweep over them exceeds L2."""
     set_bytes = (M * K + N * K + N) * dtype.itemsize
@@ -571,10 +583,12 @@ def main(argv=None):
     rows, shapes, truncated = [], plan(args.quick, args.ms, args.dtypes, args.nk), False
     if args.random:
         shapes, args.no_compile = draw_shapes(args.random, args.seed, args.dtypes or RANDOM_DTYPES), True
+    warm_s = warm_process(sorted({dtype for *_, dtype in shapes}, key=str))
+    log(f"first fused_linear calls of this process (8x64x64, each dtype): {warm_s:.2f} s")
     run = runs.Run("kernels", args.out, gpu=gpu, quick=args.quick, seed=args.seed if args.random else None,
                    note=args.note, torch=torch.__version__, triton=triton.__version__, copy_tbps=round(copy_tbps, 3),
                    matmul_tflops=round(peak, 1), random=dict(n=args.random, seed=args.seed) if args.random else None,
-                   precompiled=args.precompile or None, search=args.search)
+                   precompiled=args.precompile or None, search=args.search, process_warm_s=warm_s)
     if args.precompile:
         start = time.perf_counter()
         launches = aot.compile_layer_candidates(aot.local_target("cuda"), shapes)
