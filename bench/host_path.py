@@ -10,7 +10,9 @@ blocking copy), ``no_check`` (the rows' checks skipped), ``no_lock`` (no lock ar
 ``peer_style`` (the whole call as the peer makes its own, ``RunnerAsPeer``) and the peer itself;
 ``control`` changes nothing, at the cost of changing it (what the others' figures include).
 A row per (model, batch, variant): ``run`` us, the variant's us, and ``saved_us``, what the variant
-saves (median of ``ROUNDS`` alternations). Appends one line to ``OUT/host_path.jsonl``.
+saves (medians of ``ROUNDS`` alternations), with ``saved_spread_us``, the least and most one round
+saved: a step worth less than that spread is below what the run resolves. Appends one line to
+``OUT/host_path.jsonl``.
 """
 
 import argparse
@@ -28,7 +30,8 @@ from bench import runs  # noqa: E402
 from bench.model_contract import RunnerAsPeer, TorchGraphContract, build  # noqa: E402
 from bench.timing import alternate  # noqa: E402
 
-CALLS, ROUNDS = 400, 5
+# 200 calls of each side a round: run() moved 50-66 us between 80-call rounds (host_path.jsonl:1).
+CALLS, ROUNDS = 1800, 9
 # A server's batch cap: a batch runs padded to its bucket, as served (6 rows as 8, 44 as 64).
 MAX_BATCH = 1024
 
@@ -98,6 +101,15 @@ def variants(runner, peer, x):
     }
 
 
+def savings(pairs) -> dict:
+    """From each round's (run us, variant us): their medians, what the variant saves, and the least
+    and most it saved in one round."""
+    run_us, variant_us = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+    saved = [a - b for a, b in pairs]
+    return dict(run_us=round(run_us, 2), variant_us=round(variant_us, 2), saved_us=round(run_us - variant_us, 2),
+                saved_spread_us=[round(min(saved), 2), round(max(saved), 2)])
+
+
 def measure(case, at_ready: bool, log) -> list[dict]:
     from fusedserve.models import ModelRunner
 
@@ -110,12 +122,11 @@ def measure(case, at_ready: bool, log) -> list[dict]:
     rows = []
     for name, call in variants(runner, peer, x).items():
         pairs = [alternate(lambda: runner.run(x), call, CALLS // ROUNDS) for _ in range(ROUNDS)]
-        run_us, variant_us = (statistics.median(p[i] for p in pairs) for i in (0, 1))
-        rows.append(dict(model=spec[0], dtype=spec[4], batch=batch, variant=name, at_ready=at_ready,
-                         run_us=round(run_us, 2), variant_us=round(variant_us, 2),
-                         saved_us=round(run_us - variant_us, 2)))
-        log(f"{spec[0]} {spec[4]} batch {batch}: {name} saves {run_us - variant_us:+.2f} us "
-            f"(run {run_us:.2f}, variant {variant_us:.2f})")
+        row = dict(model=spec[0], dtype=spec[4], batch=batch, variant=name, at_ready=at_ready, **savings(pairs))
+        rows.append(row)
+        log(f"{spec[0]} {spec[4]} batch {batch}: {name} saves {row['saved_us']:+.2f} us "
+            f"(rounds {row['saved_spread_us'][0]:+.2f} to {row['saved_spread_us'][1]:+.2f}; "
+            f"run {row['run_us']:.2f}, variant {row['variant_us']:.2f})")
     return rows
 
 

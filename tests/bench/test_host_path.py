@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from bench.host_path import no_lock, parse_case, replaced
+from bench.host_path import no_lock, parse_case, replaced, savings
 
 
 def test_a_case_is_widths_dtype_and_batch():
@@ -41,3 +41,9 @@ def test_no_lock_puts_the_runners_lock_back():
     with no_lock(runner):
         assert isinstance(runner._lock, contextlib.nullcontext)
     assert runner._lock is lock
+
+
+def test_savings_are_medians_with_the_rounds_spread():
+    # Three rounds: the variant saved 2, 5 and -1 us; the medians are taken side by side.
+    row = savings([(50.0, 48.0), (60.0, 55.0), (52.0, 53.0)])
+    assert row == dict(run_us=52.0, variant_us=53.0, saved_us=-1.0, saved_spread_us=[-1.0, 5.0])
