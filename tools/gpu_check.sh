@@ -175,9 +175,22 @@ dashboard() {  # a real server on the GPU under load, its page's JSON captured
 
 gpu_tests() {  # gpu_tests PART PATH...: one part of the GPU suite, then its record
     local part=$1; shift
-    # What the suite imports beyond serving's stack (the test extra); say which is missing at once.
-    python3 -c "import xdist, pytest_timeout, pytest_asyncio, hypothesis, httpx, tritonclient.grpc, tritonclient.http" \
-        || echo "=== tests-$part: install pytest-xdist (for -n) and the test extra's pytest-timeout, pytest-asyncio, hypothesis, httpx, tritonclient[http,grpc]" | tee -a "$log"
+    # What the suite imports (serving's dependencies and the test extra's): a missing one fails every
+    # test at collection, so name them all and skip the run.
+    local missing
+    missing=$(python3 -c 'import importlib, sys
+def absent(name):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return True
+print(" ".join(m for m in sys.argv[1:] if absent(m)))' \
+        fastapi uvicorn pydantic pydantic_settings orjson simdjson google.protobuf hpack prometheus_client safetensors \
+        xdist pytest_timeout pytest_asyncio hypothesis httpx tritonclient)
+    if [ -n "$missing" ]; then
+        echo "=== tests-$part: not run, these modules are missing (bring their wheels): $missing" | tee -a "$log"
+        return 1
+    fi
     stage "tests-$part" "${GPU_TESTS_LIMIT:-560}" python3 -m pytest -m gpu -n 16 -q -rfs --tb=short --durations=10 --no-header \
         -p no:cacheprovider "$@" 2>&1 | tee "$out/tests_$part.log"
     python3 tools/gpu_record.py part "$part" "$out/tests_$part.log" "$out/gpu_record_$part.json"
