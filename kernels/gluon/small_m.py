@@ -76,7 +76,7 @@ _DEPTHS = ((256, None), (128, None), (128, 4), (64, None))
 # The K splits offered with the tallest X tile.
 _SPLITS = (1, 2)
 # Wider W tiles (rows, warps, from this many rows of X) offered with the tallest X tile: 128 rows
-# on 8 warps ran 0.91-0.92x the 64-row tile's time at M=20-40 (configs.jsonl, docs/kernels.md).
+# on 8 warps ran 0.88-0.92x the 64-row tile's time at M=20-40 (configs.jsonl, docs/kernels.md).
 _WIDE_TILES: tuple[tuple[int, int, int], ...] = ((128, 8, 17), )
 
 

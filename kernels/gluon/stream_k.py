@@ -16,11 +16,10 @@ Y^T = W @ X^T. Only the launcher touches CUDA, so importing this module works on
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
+from fusedserve.kernels.device import cuda_sm_count
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.gluon.common import (
     TORCH_TO_GL,
@@ -195,11 +194,6 @@ def programs(N, K, config, sms=SMS) -> int:
     return min(steps, sms * config["PER_SM"])
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def launch(x, weight, bias, activation, out, config, *, input_precision=None, upcast_bf16=False, pdl=False,
            prefetch_weight=False):
     """Run on checked arguments (the family's launch, ``fusedserve.kernels.family``): ``x
@@ -219,7 +213,7 @@ def launch(x, weight, bias, activation, out, config, *, input_precision=None, up
     if triton.cdiv(N, config["BLOCK_N"]) > locks.numel():
         raise ValueError(f"config {config}: {triton.cdiv(N, config['BLOCK_N'])} W tiles, more than the "
                          f"{locks.numel()} tile counters")
-    grid = programs(N, K, config, _sms(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    grid = programs(N, K, config, cuda_sm_count(x.device))
     part = torch.empty((2 * grid, config["BLOCK_N"] * config["BLOCK_M"]), device=x.device, dtype=torch.float32)
     w_desc, x_desc = descriptors(x, weight, config)
     meta = dict(launch_pdl=True) if pdl else {}
