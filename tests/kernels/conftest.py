@@ -37,6 +37,22 @@ def check_against_float64(out, x, w, b, activation, where):
                              f"[{i}, {j}]: got {out[i, j].item()}, want {ref[i, j].item()}")
 
 
+# (dtype, bias, activation) each Gluon family's candidates are checked with.
+LAUNCH_CASES = ((torch.bfloat16, True, "relu"), (torch.float16, False, "none"))
+
+
+def check_launch_against_float64(launch, M, N, K, config, cases=LAUNCH_CASES):
+    """A family's ``launch(x, w, b, activation, out, config)`` at ``M, N, K`` against float64
+    (``check_against_float64``) for each ``(dtype, bias, activation)`` of ``cases``, its output
+    NaN-poisoned first."""
+    for dtype, bias, activation in cases:
+        x, w, b = make(M, N, K, dtype)
+        b = b if bias else None
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        launch(x, w, b, activation, out, config)
+        check_against_float64(out, x, w, b, activation, f"{config} {dtype} bias={bias} {activation}")
+
+
 # Three layers of awkward widths: the input, then each layer's output size.
 CHAIN_WIDTHS = (1536, 1000, 2048, 520)
 
