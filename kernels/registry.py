@@ -20,6 +20,7 @@ FAMILY_MODULES = (
     "fusedserve.kernels.gluon.wgmma",
     "fusedserve.kernels.gluon.ws",
     "fusedserve.kernels.triton.split_k",
+    "fusedserve.kernels.triton.stream_k",
     "fusedserve.kernels.vendor.cublas",
 )
 

@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedserve.kernels.activations import ACTIVATIONS
 from fusedserve.kernels.precision import FP32_PRECISIONS
-from fusedserve.kernels.triton import normalize, small_m, split_k, tiled, tma_persistent
+from fusedserve.kernels.triton import normalize, small_m, split_k, stream_k, tiled, tma_persistent
 from tools.sm90 import compile_sm90
 
 
@@ -60,6 +60,14 @@ def compile_launch(module, M, N, K, dtype, config, activation="relu", pdl=True, 
                 compile_sm90(split_k._split_k_sum_kernel, (part, b, y, M, N, N),
                              dict(SPLIT_K=split, HAS_BIAS=True, ACTIVATION=activation, BLOCK=split_k._SUM_BLOCK,
                                   num_warps=4, **pdl_flags))]
+    if module is stream_k:
+        meta = {k: v for k, v in config.items() if k != "SK_WAVES"}
+        bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+        descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+                 TensorDescriptor.from_tensor(y, [bm, bn]))
+        part, counts = MockTensor(torch.float32, [132, 2, bm, bn]), MockTensor(torch.int32, [132])
+        return [compile_sm90(stream_k._stream_k_kernel, (*descs, b, part, counts, M, N, K, 132, 7, 5),
+                             {**common, **pdl_flags, **meta})]
     meta = {"SPLIT_STORE": False, **common, **pdl_flags, **config}
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     descs = (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
@@ -74,7 +82,7 @@ def plan():
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (3, 4096, 4096)),
                               (small_m, (5, 4096, 4096)), (small_m, (300, 4096, 4096)),
                               (tiled, (300, 1000, 704)), (tma_persistent, (300, 1000, 704)),
-                              (split_k, (300, 1000, 4096))):
+                              (split_k, (300, 1000, 4096)), (stream_k, (2494, 328, 13936))):
         jobs += [(module, M, N, K, torch.bfloat16, cfg, "relu", "tf32")
                  for cfg in module.candidates(M, N, K, torch.bfloat16)]
     for module, (M, N, K) in ((small_m, (1, 4096, 4096)), (small_m, (5, 1000, 704)), (small_m, (16, 1000, 704)),
@@ -85,6 +93,8 @@ def plan():
                  for precision in FP32_PRECISIONS if precision == "ieee" or not cfg.get("GEMV")]
     jobs += [(module, 70, 1000, 704, torch.float16, module.candidates(70, 1000, 704, torch.float16)[0], act, "tf32")
              for module in (small_m, tiled, tma_persistent, split_k) for act in ACTIVATIONS]
+    jobs += [(stream_k, 2494, 328, 13936, torch.float16, stream_k.candidates(2494, 328, 13936, torch.float16)[0], act,
+              "tf32") for act in ACTIVATIONS]
     gemv = next(cfg for cfg in small_m.candidates(3, 1000, 704, torch.float16) if cfg.get("GEMV"))
     jobs += [(small_m, 3, 1000, 704, torch.float16, gemv, act, "tf32") for act in ACTIVATIONS]
     jobs += [(normalize, 70, 64, 64, dtype, {"num_warps": 4}, "none", "ieee")

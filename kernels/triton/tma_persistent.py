@@ -120,12 +120,13 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     return out
 
 
-def _unfit(p):
+def tma_unfit(p):
+    """Why a problem cannot run on the TMA descriptors of this kernel (and of ``stream_k``'s), or None."""
     if p.half and p.tma_aligned and (p.capability is None or p.hopper):
         return None
     return "it needs fp16/bf16, 16-byte aligned rows and a Hopper GPU or the interpreter"
 
 
-FAMILY = KernelFamily(NAME, unfit=_unfit, offered=lambda p: p.M > SMALL_M_MAX and p.hopper,
+FAMILY = KernelFamily(NAME, unfit=tma_unfit, offered=lambda p: p.M > SMALL_M_MAX and p.hopper,
                       candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
                       interpret_config=INTERPRET_CONFIG)

@@ -20,7 +20,7 @@ from .conftest import check_against_float64, make
 ON_GPU = torch.cuda.is_available()
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 DEVICE = "cuda" if ON_GPU else "cpu"
-TRITON_FAMILIES = ("triton_tiled", "triton_small_m", "triton_tma_persistent", "triton_split_k")
+TRITON_FAMILIES = ("triton_tiled", "triton_small_m", "triton_tma_persistent", "triton_split_k", "triton_stream_k")
 GLUON_FAMILIES = ("gluon_wgmma", "gluon_small_m", "gluon_stream_k", "gluon_ws")
 VENDOR_FAMILIES = ("torch_cublas",)
 

@@ -281,7 +281,8 @@ def test_run_kernel_refuses_what_the_kernel_cannot_run(name, M, N, K, dtype, mat
 
 def test_kernels_lists_every_dispatch_target():
     assert set(KERNELS) == {"triton_small_m", "triton_tiled", "triton_tma_persistent", "triton_split_k",
-                            "gluon_wgmma", "gluon_small_m", "gluon_stream_k", "gluon_ws", "torch_cublas"}
+                            "triton_stream_k", "gluon_wgmma", "gluon_small_m", "gluon_stream_k", "gluon_ws",
+                            "torch_cublas"}
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="drives the GPU tuning path on the interpreter")

@@ -11,21 +11,22 @@ HOPPER = (9, 0)
 AMPERE = (8, 0)
 TILED, TMA, SMALL_M = "triton_tiled", "triton_tma_persistent", "triton_small_m"
 GLUON, GLUON_SMALL_M, GLUON_WS, STREAM_K = "gluon_wgmma", "gluon_small_m", "gluon_ws", "gluon_stream_k"
-VENDOR, SPLIT_K = "torch_cublas", "triton_split_k"
+VENDOR, SPLIT_K, TRITON_STREAM_K = "torch_cublas", "triton_split_k", "triton_stream_k"
 
 
 def offered(M, dtype=torch.bfloat16, capability=HOPPER, tma_aligned=True, gluon=False, vendor=False, N=4096,
             K=4096, split_k=False, stream_k=False):
     """The families timed for this problem, the default first (Gluon's, the vendor's, split-K and
-    stream-K left out unless ``gluon``, ``vendor``, ``split_k`` and ``stream_k``)."""
+    both stream-K families left out unless ``gluon``, ``vendor``, ``split_k`` and ``stream_k``)."""
     names = [f.name for f in registry.offered(Problem(M, N, K, dtype, capability, tma_aligned))]
     return tuple(n for n in names if (gluon or not n.startswith("gluon")) and (vendor or n != VENDOR)
-                 and (split_k or n != SPLIT_K) and (stream_k or n != STREAM_K))
+                 and (split_k or n != SPLIT_K) and (stream_k or n not in (STREAM_K, TRITON_STREAM_K)))
 
 
 def test_every_family_registers_once_under_its_own_name():
     names = registry.names()
-    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS, SPLIT_K, VENDOR, STREAM_K}
+    assert set(names) == {TILED, TMA, SMALL_M, GLUON, GLUON_SMALL_M, GLUON_WS, SPLIT_K, VENDOR, STREAM_K,
+                          TRITON_STREAM_K}
     assert len(names) == len(set(names))
     assert all(registry.family(n).name == n for n in names)
     with pytest.raises(ValueError, match="kernel family must be one of"):
