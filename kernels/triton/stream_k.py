@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.device import cuda_sm_count
 from fusedserve.kernels.family import KernelFamily
-from fusedserve.kernels.rules import SMALL_M_MAX, SMS
+from fusedserve.kernels.rules import SMS
 from fusedserve.kernels.triton.common import grouped_tile, launch_dependents_then_wait
 from fusedserve.kernels.triton.tma_persistent import tma_unfit
 
@@ -31,10 +31,6 @@ TILES = [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
          dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5)]
 SK_WAVES = (0, 1)
-# Offered over at least this long a K (a program's run of steps must outweigh its partial sums'
-# store and reload), where the largest tile (128 x 256, the persistent families' fastest where
-# tiles are many) run whole leaves at least this share of its last wave's SMs idle.
-_MIN_K, _IDLE_SHARE = 1024, 0.25
 INTERPRET_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, SK_WAVES=1, num_warps=4, num_stages=1)
 # Programs the interpreter's grid uses (it has no SMs); > 1 so K steps are shared out.
 _INTERPRET_PROGRAMS = 3
@@ -52,12 +48,6 @@ def schedule(M, N, K, config, programs):
     if dp_tiles == 0:  # no whole tiles to share the grid with: no more programs than K steps
         programs = min(programs, sk_steps)
     return dp_tiles, sk_steps // programs, sk_steps % programs, programs
-
-
-def _idle_share(M, N, tile):
-    """The share of the last wave's SMs that ``tile``'s whole tiles leave idle on an H100 or H200."""
-    tiles = triton.cdiv(M, tile["BLOCK_M"]) * triton.cdiv(N, tile["BLOCK_N"])
-    return 1 - tiles / (triton.cdiv(tiles, SMS) * SMS)
 
 
 def candidates(M, N, K, dtype):
@@ -215,12 +205,8 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
     return out
 
 
-def _offered(p):
-    """On Hopper past the weight-streaming rows, over a long K, where 128 x 256 tiles run whole
-    leave a quarter of their last wave idle."""
-    return p.hopper and p.M > SMALL_M_MAX and p.K >= _MIN_K and _idle_share(p.M, p.N, TILES[0]) >= _IDLE_SHARE
-
-
-FAMILY = KernelFamily(NAME, unfit=tma_unfit, offered=_offered,
+# Not timed by the tuner: on an H100 every candidate ran 0.41-0.82x cuBLAS at 12 few-tile long-K
+# shapes (bench/results/configs.jsonl); it runs by name (``bench/configs.py triton_stream_k``).
+FAMILY = KernelFamily(NAME, unfit=tma_unfit, offered=lambda p: False,
                       candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
                       interpret_config=INTERPRET_CONFIG, near_whole=True)

@@ -233,8 +233,8 @@ def test_near_candidates_take_the_nearest_winners_once_each_among_offered_famili
 def test_a_near_search_times_a_few_candidates_and_a_full_one_redoes_it(fake_gpu, monkeypatch):
     timed_pairs = []
     monkeypatch.setattr(choosing, "_tune", lambda pairs, *args, **kwargs: timed_pairs.append(pairs) or pairs[-1])
-    problem = hopper(1000)  # 128 tiles of 128 x 256 fill a wave: stream-K is not offered
-    x, w = torch.empty(1000, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
+    problem = hopper(300)
+    x, w = torch.empty(300, 4096, dtype=torch.bfloat16), torch.empty(4096, 4096, dtype=torch.bfloat16)
     every = choosing.every_candidate(registry.offered(problem), problem)
     monkeypatch.delenv(choosing.SEARCH_ENV, raising=False)
     with provisional.choosing_mode("tune"):
