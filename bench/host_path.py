@@ -7,8 +7,10 @@ bucket tuned first), ``run(rows)`` is alternated (``bench/timing.py``) with vari
 with one step done the peer's way (``bench/model_contract.py``'s torch CUDA graph contract):
 ``copy_out_as_peer`` (a non-blocking copy of the batch's rows and a stream synchronize, not a
 blocking copy), ``no_check`` (the rows' checks skipped), ``no_lock`` (no lock around the batch),
-``peer_style`` (the whole call as the peer makes its own, ``RunnerAsPeer``) and the peer itself;
-``control`` changes nothing, at the cost of changing it (what the others' figures include).
+``peer_style`` (the whole call as the peer makes its own, ``RunnerAsPeer``), ``no_pdl`` (a second
+runner of the same model whose kernels are plain launches, not programmatic dependent ones: the one
+way left in which our graph differs from the peer's) and the peer itself; ``control`` changes
+nothing, at the cost of changing it (what the others' figures include).
 A row per (model, batch, variant): ``run`` us, the variant's us, and ``saved_us``, what the variant
 saves (medians of ``ROUNDS`` alternations), with ``saved_spread_us``, the least and most one round
 saved: a step worth less than that spread is below what the run resolves. Appends one line to
@@ -79,9 +81,27 @@ def no_lock(runner):
         runner._lock = lock
 
 
-def variants(runner, peer, x):
+@contextlib.contextmanager
+def without_pdl():
+    """Every family's launches plain (no programmatic dependent launch) for the block."""
+    from fusedserve.kernels import choosing
+    from fusedserve.kernels.triton import fused_mlp, normalize
+
+    modules = (choosing, fused_mlp, normalize)
+    saved = [m.pdl_supported for m in modules]
+    for m in modules:
+        m.pdl_supported = lambda device: False
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved, strict=True):
+            m.pdl_supported = f
+
+
+def variants(runner, peer, x, plain_runner):
     """name -> a call alternated with ``run``: ``run`` with one step changed for that call only (the
-    change made and undone around it, as ``control`` does with nothing changed), or the peer's way."""
+    change made and undone around it, as ``control`` does with nothing changed), or the peer's way;
+    ``plain_runner`` is the same model captured without programmatic dependent launches."""
     staging, as_peer = runner._staging, RunnerAsPeer(runner, x.shape[0])
     peer_copy_out = copy_out_as_peer(staging)
 
@@ -97,6 +117,7 @@ def variants(runner, peer, x):
         "no_check": within(lambda: replaced(staging, "check", lambda rows: rows.shape[0])),
         "no_lock": within(lambda: no_lock(runner)),
         "peer_style": lambda: as_peer(x),
+        "no_pdl": lambda: plain_runner.run(x),
         "peer": lambda: peer(x),
     }
 
@@ -119,8 +140,11 @@ def measure(case, at_ready: bool, log) -> list[dict]:
     peer = TorchGraphContract(reference, batch)
     x = 4 * torch.rand(batch, fused.config.in_features)
     runner.run(x), peer(x)
+    with without_pdl():  # warmed and captured here, so its graphs hold plain launches
+        plain_runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready)
+        plain_runner.run(x)
     rows = []
-    for name, call in variants(runner, peer, x).items():
+    for name, call in variants(runner, peer, x, plain_runner).items():
         pairs = [alternate(lambda: runner.run(x), call, CALLS // ROUNDS) for _ in range(ROUNDS)]
         row = dict(model=spec[0], dtype=spec[4], batch=batch, variant=name, at_ready=at_ready, **savings(pairs))
         rows.append(row)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from bench.host_path import no_lock, parse_case, replaced, savings
+from bench.host_path import no_lock, parse_case, replaced, savings, without_pdl
 
 
 def test_a_case_is_widths_dtype_and_batch():
@@ -47,3 +47,20 @@ def test_savings_are_medians_with_the_rounds_spread():
     # Three rounds: the variant saved 2, 5 and -1 us; the medians are taken side by side.
     row = savings([(50.0, 48.0), (60.0, 55.0), (52.0, 53.0)])
     assert row == dict(run_us=52.0, variant_us=53.0, saved_us=-1.0, saved_spread_us=[-1.0, 5.0])
+
+
+def test_without_pdl_makes_every_launch_plain_then_puts_the_rule_back(monkeypatch):
+    import torch
+
+    from fusedserve.kernels import choosing
+    from fusedserve.kernels.triton import fused_mlp, normalize
+
+    modules = (choosing, fused_mlp, normalize)
+    for m in modules:  # as on a Hopper GPU: every launch a programmatic dependent one
+        monkeypatch.setattr(m, "pdl_supported", lambda device: True)
+    x = torch.empty(3, 8)
+    assert choosing.launch_options(x, False)["pdl"] is True
+    with without_pdl():
+        assert not any(m.pdl_supported(x.device) for m in modules)
+        assert choosing.launch_options(x, False)["pdl"] is False
+    assert all(m.pdl_supported(x.device) for m in modules) and choosing.launch_options(x, False)["pdl"] is True
