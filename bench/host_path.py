@@ -83,19 +83,20 @@ def no_lock(runner):
 
 @contextlib.contextmanager
 def without_pdl():
-    """Every family's launches plain (no programmatic dependent launch) for the block."""
-    from fusedserve.kernels import choosing
-    from fusedserve.kernels.triton import fused_mlp, normalize
+    """Every launch plain (no programmatic dependent launch) for the block: each loaded kernels
+    module's copy of ``device.pdl_supported`` (the one rule, imported by name) answers False."""
+    from fusedserve.kernels import device
 
-    modules = (choosing, fused_mlp, normalize)
-    saved = [m.pdl_supported for m in modules]
+    rule = device.pdl_supported
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("fusedserve.kernels") and getattr(m, "pdl_supported", None) is rule]
     for m in modules:
-        m.pdl_supported = lambda device: False
+        m.pdl_supported = lambda dev: False
     try:
         yield
     finally:
-        for m, f in zip(modules, saved, strict=True):
-            m.pdl_supported = f
+        for m in modules:
+            m.pdl_supported = rule
 
 
 def variants(runner, peer, x, plain_runner):

@@ -52,15 +52,15 @@ def test_savings_are_medians_with_the_rounds_spread():
 def test_without_pdl_makes_every_launch_plain_then_puts_the_rule_back(monkeypatch):
     import torch
 
-    from fusedserve.kernels import choosing
+    from fusedserve.kernels import choosing, device
     from fusedserve.kernels.triton import fused_mlp, normalize
 
-    modules = (choosing, fused_mlp, normalize)
-    for m in modules:  # as on a Hopper GPU: every launch a programmatic dependent one
-        monkeypatch.setattr(m, "pdl_supported", lambda device: True)
+    modules = (device, choosing, fused_mlp, normalize)
+    monkeypatch.setattr(device, "capability", lambda dev: (9, 0))  # as on a Hopper GPU: PDL everywhere
     x = torch.empty(3, 8)
     assert choosing.launch_options(x, False)["pdl"] is True
     with without_pdl():
-        assert not any(m.pdl_supported(x.device) for m in modules)
+        assert not any(m.pdl_supported(x.device) for m in modules[1:])
         assert choosing.launch_options(x, False)["pdl"] is False
-    assert all(m.pdl_supported(x.device) for m in modules) and choosing.launch_options(x, False)["pdl"] is True
+    assert all(m.pdl_supported is device.pdl_supported for m in modules[1:])
+    assert choosing.launch_options(x, False)["pdl"] is True
