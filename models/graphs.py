@@ -1,4 +1,5 @@
-"""CUDA graphs of a runner's buckets: a plain graph per bucket, and a timed twin with events between layers."""
+"""CUDA graphs of a runner's buckets: a plain graph per bucket, a twin with its copies in and out, and a
+timed twin with events between layers."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class BucketGraphs:
     """The graphs of one runner: ``plain[bucket] = (graph, static output)`` and
     ``timed[bucket] = (graph, static output, events)``, the same launches with an external CUDA
     event recorded before each layer and after the last (a replay hides single kernels; the
-    events split them apart for sampled timings).
+    events split them apart for sampled timings); ``served[bucket] = (graph, static output)``, the
+    same launches between the staging's copy in and copy out (what ``run`` replays where it can).
 
     Every graph shares one memory pool: the runner replays one at a time, and each kept graph's
     output stays referenced, so no capture reuses another's output. Capture only after every
@@ -35,11 +37,13 @@ class BucketGraphs:
         self.num_layers = num_layers
         self.plain: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.timed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self.served: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
     def clear(self) -> None:
         self.plain.clear()
         self.timed.clear()
+        self.served.clear()
 
     def record(self, forward: Forward, hook=None, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """``(graph, static output)`` of ``forward(hook)``; raises what the capture raises. ``pool``:
@@ -77,6 +81,17 @@ class BucketGraphs:
             log.warning("CUDA graph capture failed for %r at M=%d (%s path); it runs eager launches "
                         "from now on", self.name, bucket, path, exc_info=True)
             self.clear()
+            return None
+
+    def served_twin(self, bucket: int, forward: Forward, pool=None):
+        """``(graph, static output)`` of ``forward`` (which copies its rows in and out itself), or
+        None where that cannot be captured: ``run`` then copies around the plain graph."""
+        try:
+            return self.record(forward, pool=pool)
+        except Exception:
+            log.warning("the CUDA graph of %r at M=%d with its copies could not be captured; its batches "
+                        "copy around the plain graph", self.name, bucket, exc_info=True)
+            torch.cuda.current_stream(self.device).synchronize()
             return None
 
     def capture_timed(self, bucket: int, forward: Forward) -> bool:

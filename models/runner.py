@@ -30,7 +30,9 @@ class ModelRunner:
 
     ``run(x)``: ``[M, in_features]`` float32 CPU -> ``[M, out_features]`` float32 CPU. On CUDA ``x``
     is padded to its bucket (``kernels.rules.bucket``) in a preallocated device buffer (padded rows
-    are computed and dropped); on the CPU rows run unpadded, on the bucket's path and threads.
+    are computed and dropped): one replay of the bucket's graph that copies the rows in and out itself
+    where the padding is a few KB (``Staging.pads_cheaply``), else copies around the plain graph; on
+    the CPU rows run unpadded, on the bucket's path and threads.
 
     ``warmup()`` warms every bucket. A bucket whose kernels the tune cache holds: each candidate
     path runs once, one CUDA graph per path is captured and the fastest kept. Any other bucket (with
@@ -162,8 +164,13 @@ class ModelRunner:
             self._warm_any(bucket)
         if self.device.type != "cuda":
             return self._run_on_cpu(x, rows, bucket)
-        self._staging.copy_in(x, rows)
         timed = self.timing_sink is not None and self._sampler.due(bucket, bucket not in self._graphs.plain)
+        served = None if timed else self._graphs.served.get(bucket)
+        if served is not None and self._staging.pads_cheaply(rows, bucket):  # one launch, copies inside
+            self._staging.fill(x, rows)
+            served[0].replay()
+            return self._staging.take(rows)
+        self._staging.copy_in(x, rows)
         marks = None
         if timed and bucket in self._graphs.timed:
             graph, out, marks = self._graphs.timed[bucket]
@@ -316,6 +323,19 @@ class ModelRunner:
         if captured is not None:
             self._graphs.plain[bucket] = captured
             self._graphs.capture_timed(bucket, lambda hook: self._forward(bucket, path, hook))
+            served = self._graphs.served_twin(bucket, self._with_copies(bucket, path))
+            if served is not None:
+                self._graphs.served[bucket] = served
+
+    def _with_copies(self, bucket: int, path: str):
+        """``path`` at ``bucket`` as a forward that copies its rows in and out itself (the staging's
+        pinned buffers), for the graph ``run`` replays with one launch."""
+        def forward(hook=None):
+            self._staging.copy_in_captured(bucket)
+            out = self._forward(bucket, path, hook).float()
+            self._staging.copy_out_captured(out)
+            return out
+        return forward
 
     def _warm_bucket(self, bucket: int, phase: str = "tune") -> None:
         """Tune every candidate path at ``bucket``, capture their graphs, keep the fastest path.
@@ -364,14 +384,15 @@ class ModelRunner:
             chosen, seconds = self._candidates[0], None
             if len(self._candidates) > 1:
                 chosen, seconds = choose({p: self._step(bucket, p, graphs.get(p)) for p in self._candidates})
-            timed = None
+            timed = served = None
             if chosen in graphs:
                 timed = self._graphs.timed_twin(bucket, lambda hook: self._forward(bucket, chosen, hook), pool)
+                served = self._graphs.served_twin(bucket, self._with_copies(bucket, chosen), pool)
             if on_cuda:
                 stream.synchronize()
         if self._keeps_current(bucket, graphs.get(chosen)):
             return self._chosen[bucket]
-        self._swap(bucket, chosen, graphs.get(chosen), timed, seconds)
+        self._swap(bucket, chosen, (graphs.get(chosen), timed, served), seconds)
         return chosen
 
     def _keeps_current(self, bucket: int, tuned) -> bool:
@@ -384,16 +405,17 @@ class ModelRunner:
         log.info("%r at M=%d keeps its provisional graph, faster than the tuned one", self.name, bucket)
         return True
 
-    def _swap(self, bucket: int, path: str, plain, timed, seconds) -> None:
-        """Make ``path`` with graphs ``plain``/``timed`` (None: eager) what ``bucket`` runs, under the
-        lock a batch holds: no batch sees half of it. The replaced graphs are freed after."""
+    def _swap(self, bucket: int, path: str, captured, seconds) -> None:
+        """Make ``path`` with graphs ``captured`` (plain, timed, served; each None: not captured) what
+        ``bucket`` runs, under the lock a batch holds: no batch sees half of it. The replaced graphs
+        are freed after."""
+        kinds = (self._graphs.plain, self._graphs.timed, self._graphs.served)
         with self._lock:
-            old = (self._graphs.plain.pop(bucket, None), self._graphs.timed.pop(bucket, None))
+            old = [kind.pop(bucket, None) for kind in kinds]
             self._chosen[bucket] = path
-            if plain is not None:
-                self._graphs.plain[bucket] = plain
-            if timed is not None:
-                self._graphs.timed[bucket] = timed
+            for kind, graph in zip(kinds, captured, strict=True):
+                if graph is not None:
+                    kind[bucket] = graph
             if seconds is not None:
                 self.path_seconds[bucket] = seconds
             self._records.forget(bucket)  # timings name the new configs from the next batch on

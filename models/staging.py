@@ -7,6 +7,9 @@ import torch
 # Padded output rows copied back with a batch rather than slicing them off: about what the host
 # spends on one view, at pinned device-to-host bandwidth.
 _PADDING_COPY_BYTES = 16 * 1024
+# Padded bytes (in and out) a graph that copies the whole bucket may move for a batch, in place of the
+# two copies it saves launching on the host.
+_GRAPH_COPY_PADDING_BYTES = 16 * 1024
 
 
 class Staging:
@@ -18,6 +21,10 @@ class Staging:
     staging buffer no copy still reads it, and whatever the batch recorded (events) is finished.
     Rows past a batch keep what an earlier batch left there: rows are independent, so padded rows
     are computed and dropped without changing real ones.
+
+    A bucket's graph may hold the copies itself (``copy_in_captured``/``copy_out_captured`` inside its
+    capture, the whole bucket each way): a batch then ``fill``s the pinned rows, replays, and ``take``s
+    the answer, one launch where the staged way makes three.
     """
 
     def __init__(self, name: str, max_batch_size: int, in_features: int, out_features: int,
@@ -29,12 +36,14 @@ class Staging:
         self.input = torch.zeros(max_batch_size, in_features, device=device)
         self._host_in = self._host_out = None
         if device.type == "cuda":
-            self._host_in = torch.empty(max_batch_size, in_features, pin_memory=True)
+            # Zeros: a graph that copies whole buckets reads rows no batch wrote yet.
+            self._host_in = torch.zeros(max_batch_size, in_features, pin_memory=True)
             self._host_out = torch.empty(max_batch_size, out_features, pin_memory=True)
         # rows -> (host input, device input, host output) views of the first rows: made once, since
         # slicing per batch costs about a microsecond a view on the host's hot path.
         self._row_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._row_bytes = 4 * out_features
+        self._padding_rows = _GRAPH_COPY_PADDING_BYTES // (4 * (in_features + out_features))
 
     def check(self, x) -> int:
         """Rows of ``x`` once it is a float32 CPU ``[M, in_features]`` tensor with 1 to
@@ -85,4 +94,26 @@ class Staging:
             bucket, out = rows, out[:rows]
         # A blocking copy waits for the stream in C++ (cheaper than a Python synchronize).
         self._views(bucket)[2].copy_(out.float())
+        return self._views(rows)[2].clone()  # the staging buffer is the next batch's
+
+    def pads_cheaply(self, rows: int, bucket: int) -> bool:
+        """Whether a graph copying the whole ``bucket`` in and out serves ``rows`` rows cheaply."""
+        return bucket - rows <= self._padding_rows
+
+    def copy_in_captured(self, bucket: int) -> None:
+        """Inside a graph's capture: the first ``bucket`` pinned rows into ``input`` at each replay."""
+        self.input[:bucket].copy_(self._host_in[:bucket], non_blocking=True)
+
+    def copy_out_captured(self, out: torch.Tensor) -> None:
+        """Inside a graph's capture: the float32 device output ``out`` ``[bucket, out]`` into the
+        pinned output at each replay."""
+        self._host_out[:out.shape[0]].copy_(out, non_blocking=True)
+
+    def fill(self, x: torch.Tensor, rows: int) -> None:
+        """``x`` (``[rows, in]``, checked) into the pinned rows a graph's ``copy_in_captured`` reads."""
+        self._views(rows)[0].copy_(x)  # the previous batch synchronized: no copy still reads it
+
+    def take(self, rows: int) -> torch.Tensor:
+        """After a replay of a graph with its copies: waits for the stream, then the first ``rows``."""
+        torch.cuda.current_stream(self.device).synchronize()
         return self._views(rows)[2].clone()  # the staging buffer is the next batch's

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from bench.host_path import no_lock, parse_case, replaced, savings, without_pdl
+from bench.host_path import no_lock, parse_case, replaced, savings, staged, without_pdl
 
 
 def test_a_case_is_widths_dtype_and_batch():
@@ -41,6 +41,19 @@ def test_no_lock_puts_the_runners_lock_back():
     with no_lock(runner):
         assert isinstance(runner._lock, contextlib.nullcontext)
     assert runner._lock is lock
+
+
+def test_staged_sets_the_graphs_with_copies_aside_for_the_block():
+    class Graphs:
+        served = {4: "graph with copies"}
+
+    class Runner:
+        _graphs = Graphs()
+
+    runner = Runner()
+    with staged(runner):
+        assert runner._graphs.served == {}
+    assert runner._graphs.served == {4: "graph with copies"}
 
 
 def test_savings_are_medians_with_the_rounds_spread():

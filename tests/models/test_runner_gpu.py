@@ -45,6 +45,7 @@ def test_graphs_on_and_off_give_equal_outputs(fused, max_batch, rows_list):
     eager.warmup()
     assert graphed.cuda_graphs, "capture fell back to eager launches: see the logged warning"
     assert sorted(graphed._graphs.plain) == graphed.buckets
+    assert sorted(graphed._graphs.served) == graphed.buckets, "every bucket has its graph with copies"
     torch.manual_seed(1)
     for rows in rows_list:
         x = torch.randn(rows, IN)
@@ -152,6 +153,39 @@ def test_triton_backend_matches_torch_on_gpu(dtype, fused, max_batch, tol):
                                    msg=lambda m, rows=rows: f"{dtype} fused={fused} rows={rows}: {m}")
 
 
+class CountedGraph:
+    """A captured graph whose replays are counted."""
+
+    def __init__(self, graph):
+        self.graph, self.replays = graph, 0
+
+    def replay(self):
+        self.replays += 1
+        self.graph.replay()
+
+
+@pytest.mark.parametrize("out_features, rows, copies_inside", [
+    (OUT, 3, True),  # 1 padded row of 440 bytes: the graph copies the whole bucket
+    (OUT, 4, True),
+    (5000, 3, False),  # 1 padded row of 20 KB: the rows go around the plain graph
+    (5000, 4, True),  # no padding
+])
+def test_run_replays_the_graph_with_copies_where_padding_is_cheap(out_features, rows, copies_inside):
+    torch.manual_seed(0)
+    config = MLPConfig(in_features=IN, hidden_features=(HIDDEN,), out_features=out_features)
+    model = MLP(config, backend="triton", device="cuda", name="gpu_wide").eval().requires_grad_(False)
+    runner = ModelRunner(model, max_batch_size=FUSED_MAX_BATCH, fused=True)
+    eager = ModelRunner(model, max_batch_size=FUSED_MAX_BATCH, cuda_graphs=False, fused=True)
+    runner.warm(4)
+    graph, out = runner._graphs.served[4]
+    counted = runner._graphs.served[4] = (CountedGraph(graph), out)
+    for seed in (1, 2):  # twice: the second batch must not read the first one's rows
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(seed))
+        # The same kernels and configs as eager launches: bitwise equal.
+        torch.testing.assert_close(runner.run(x), eager.run(x), rtol=0, atol=0)
+    assert counted[0].replays == (2 if copies_inside else 0)
+
+
 def test_compute_replays_the_graph_run_uses():
     runner = ModelRunner(make_model("triton"), max_batch_size=FUSED_MAX_BATCH, fused=True)
     x = torch.randn(3, IN)
@@ -254,5 +288,6 @@ def test_cold_warmup_times_nothing_then_background_tuning_swaps_under_traffic(em
     client.join(30)
     assert not tuner.running and tuner.failed == [] and runner.provisional_buckets() == []
     assert set(runner.choice_states.values()) == {"tuned"} and set(runner._graphs.plain) == set(runner.buckets)
+    assert set(runner._graphs.served) == set(runner.buckets), "swaps bring the graphs with copies too"
     assert wrong == [] and answered[0] > 0
     assert list(empty_tune_cache.glob("*.json")), "the worker's choices land in the shared tune cache"

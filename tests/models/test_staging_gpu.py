@@ -1,5 +1,6 @@
 """Staging on CUDA: rows in through pinned memory, outputs back as whole buckets where the padding is
-a few bytes and as the rows alone where it is more, and the stream waited for either way."""
+a few bytes and as the rows alone where it is more, and the stream waited for either way; the copies
+a graph holds itself."""
 
 import pytest
 import torch
@@ -45,3 +46,20 @@ def test_copy_in_fills_the_first_rows_and_leaves_the_rest():
     torch.cuda.synchronize()
     assert torch.equal(staging.input[:5].cpu(), x)
     assert bool((staging.input[5:] == -1.0).all())
+
+
+def test_a_graph_with_the_captured_copies_answers_each_batchs_rows():
+    staging = Staging("m", 16, IN, IN, torch.device("cuda"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        staging.copy_in_captured(8)
+        out = staging.input[:8] * 2 + 1
+        staging.copy_out_captured(out)
+    for rows in (5, 8, 2):
+        x = torch.randn(rows, IN)
+        staging.fill(x, rows)
+        torch.cuda._sleep(5_000_000)  # a long kernel first: take must wait for the replay behind it
+        graph.replay()
+        got = staging.take(rows)
+        assert torch.equal(got, x * 2 + 1), f"rows={rows}"
+        assert torch.equal(staging.input[:rows].cpu(), x)  # the device input holds the batch, as run leaves it
