@@ -209,4 +209,4 @@ def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_
 # shapes (bench/results/configs.jsonl); it runs by name (``bench/configs.py triton_stream_k``).
 FAMILY = KernelFamily(NAME, unfit=tma_unfit, offered=lambda p: False,
                       candidates=lambda p: candidates(p.M, p.N, p.K, p.dtype), launch=launch,
-                      interpret_config=INTERPRET_CONFIG, near_whole=True)
+                      interpret_config=INTERPRET_CONFIG)
