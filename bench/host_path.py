@@ -3,15 +3,14 @@
     python bench/host_path.py 352-328-96-2800-144:float32:6 8-160-736:float32:44 [--at-ready]
 
 For each ``WIDTHS:DTYPE:BATCH`` (random weights; at ready on provisional choices, else each measured
-bucket tuned first), ``run(rows)`` is alternated (``bench/timing.py``) with variants of itself, each
-with one step done the peer's way (``bench/model_contract.py``'s torch CUDA graph contract):
-``copy_out_as_peer`` (a non-blocking copy of the batch's rows and a stream synchronize, not a
-blocking copy), ``no_check`` (the rows' checks skipped), ``no_lock`` (no lock around the batch),
+bucket tuned first) a runner with ``graph_copies`` (each bucket's graph holds its copies in and out)
+is built, and ``run(rows)`` is alternated (``bench/timing.py``) with variants of itself, each with one
+step done the peer's way (``bench/model_contract.py``'s torch CUDA graph contract): ``staged`` (the
+rows copied in and out around the plain graph, as ``run`` does without ``graph_copies`` and as the
+peer does), ``no_check`` (the rows' checks skipped), ``no_lock`` (no lock around the batch),
 ``peer_style`` (the whole call as the peer makes its own, ``RunnerAsPeer``), ``no_pdl`` (a second
 runner of the same model whose kernels are plain launches, not programmatic dependent ones: the one
-way left in which our graph differs from the peer's), ``staged`` (the rows copied in and out around
-the plain graph, as the peer does, where ``run`` replays the bucket's graph with its copies inside)
-and the peer itself; ``control`` changes
+way left in which our graph differs from the peer's) and the peer itself; ``control`` changes
 nothing, at the cost of changing it (what the others' figures include).
 A row per (model, batch, variant): ``run`` us, the variant's us, and ``saved_us``, what the variant
 saves (medians of ``ROUNDS`` alternations), with ``saved_spread_us``, the least and most one round
@@ -51,16 +50,6 @@ def parse_case(text: str) -> tuple[tuple, int]:
     if len(sizes) < 2 or dtype not in ("float32", "float16", "bfloat16") or batch < 1:
         raise argparse.ArgumentTypeError(f"expected IN-...-OUT:float32|float16|bfloat16:BATCH, got {text!r}")
     return (f"host_{widths}", sizes[0], tuple(sizes[1:-1]), sizes[-1], dtype), batch
-
-
-def copy_out_as_peer(staging):
-    """``staging.copy_out`` as the peer copies: the rows without blocking, then a stream synchronize."""
-    def copy_out(out, rows):
-        host = staging._views(rows)[2]
-        host.copy_(out[:rows], non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return host.clone()
-    return copy_out
 
 
 @contextlib.contextmanager
@@ -116,7 +105,6 @@ def variants(runner, peer, x, plain_runner):
     change made and undone around it, as ``control`` does with nothing changed), or the peer's way;
     ``plain_runner`` is the same model captured without programmatic dependent launches."""
     staging, as_peer = runner._staging, RunnerAsPeer(runner, x.shape[0])
-    peer_copy_out = copy_out_as_peer(staging)
 
     def within(context):
         def call():
@@ -126,12 +114,11 @@ def variants(runner, peer, x, plain_runner):
 
     return {
         "control": within(contextlib.nullcontext),
-        "copy_out_as_peer": within(lambda: replaced(staging, "copy_out", peer_copy_out)),
+        "staged": within(lambda: staged(runner)),
         "no_check": within(lambda: replaced(staging, "check", lambda rows: rows.shape[0])),
         "no_lock": within(lambda: no_lock(runner)),
         "peer_style": lambda: as_peer(x),
         "no_pdl": lambda: plain_runner.run(x),
-        "staged": within(lambda: staged(runner)),
         "peer": lambda: peer(x),
     }
 
@@ -150,12 +137,13 @@ def measure(case, at_ready: bool, log) -> list[dict]:
 
     spec, batch = case
     fused, reference = build(spec)
-    runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready)
+    runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready, graph_copies=True)
     peer = TorchGraphContract(reference, batch)
     x = 4 * torch.rand(batch, fused.config.in_features)
     runner.run(x), peer(x)
     with without_pdl():  # warmed and captured here, so its graphs hold plain launches
-        plain_runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready)
+        plain_runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready,
+                                   graph_copies=True)
         plain_runner.run(x)
     rows = []
     for name, call in variants(runner, peer, x, plain_runner).items():

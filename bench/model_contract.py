@@ -6,6 +6,7 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
 
     python bench/model_contract.py [--budget-s 500] [--quick] [--plot model_contract.png]
     python bench/model_contract.py --random 6 --seed S [--at-ready]   # models nobody tuned for
+    python bench/model_contract.py ... --graph-copies   # runners whose graphs hold their copies
 
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
 rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
@@ -245,12 +246,13 @@ def time_row(runner: ModelRunner, peer: TorchGraphContract, x: torch.Tensor, buc
     return times
 
 
-def measure_model(spec, batches, calls: int, emit, at_ready: bool = False) -> None:
+def measure_model(spec, batches, calls: int, emit, at_ready: bool = False, graph_copies: bool = False) -> None:
     """Every batch of one model: check both against each other, time them, ``emit`` a row each.
-    ``at_ready``: on provisional choices, as a server answers before background tuning."""
+    ``at_ready``: on provisional choices, as a server answers before background tuning;
+    ``graph_copies``: the runner's experiment of that name (its graphs copy rows in and out)."""
     fused, reference = build(spec)
     # provisional=False: the first batch of each bucket tunes it (only the buckets measured here).
-    runner = ModelRunner(fused, max_batch_size=max(batches), provisional=at_ready)
+    runner = ModelRunner(fused, max_batch_size=max(batches), provisional=at_ready, graph_copies=graph_copies)
     dtype, layers = fused.config.dtype, len(fused.layers)
     for batch in batches:
         peer = TorchGraphContract(reference, batch)
@@ -318,13 +320,14 @@ def plot(rows, path, gpu):
 
 
 def run(out: Path, quick: bool, budget_s: float, note: str | None = None, png: Path | None = None,
-        random_n: int | None = None, seed: int = 0, at_ready: bool = False) -> dict:
+        random_n: int | None = None, seed: int = 0, at_ready: bool = False, graph_copies: bool = False) -> dict:
     # Read when the first bucket tunes.
     os.environ.setdefault(tune_cache.ENV_VAR, tempfile.mkdtemp(prefix="fusedserve-tune-"))
     gpu = torch.cuda.get_device_name()
     line = runs.Run("model_contract", out, gpu=gpu, quick=quick, note=note, torch=torch.__version__,
                     triton=__import__("triton").__version__, method=METHOD, seed=seed if random_n else None,
                     random=dict(n=random_n, seed=seed) if random_n else None, at_ready=at_ready,
+                    graph_copies=graph_copies,
                     search=None if at_ready else choosing.search())
     plan = random_models(random_n, seed) if random_n else [(spec, QUICK_BATCHES if quick else BATCHES)
                                                             for spec in MODELS]
@@ -340,7 +343,7 @@ def run(out: Path, quick: bool, budget_s: float, note: str | None = None, png: P
             skipped.append(spec[0])
             log(f"budget of {budget_s:.0f} s spent: {spec[0]} not measured")
             continue
-        measure_model(spec, batches, QUICK_CALLS if quick else CALLS, emit, at_ready)
+        measure_model(spec, batches, QUICK_CALLS if quick else CALLS, emit, at_ready, graph_copies)
     data = line.save(rows, summary(rows), complete=not skipped, skipped=skipped)
     if png:
         plot(rows, png, gpu)
@@ -363,10 +366,13 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seed of --random's models and batches")
     parser.add_argument("--at-ready", action="store_true", help="provisional choices, nothing tuned (a server "
                         "before background tuning)")
+    parser.add_argument("--graph-copies", action="store_true", help="runners whose graphs copy the rows in "
+                        "and out themselves (ModelRunner's graph_copies experiment)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/model_contract.py needs a CUDA GPU")
-    run(args.out, args.quick, args.budget_s, args.note, args.plot, args.random, args.seed, args.at_ready)
+    run(args.out, args.quick, args.budget_s, args.note, args.plot, args.random, args.seed, args.at_ready,
+        args.graph_copies)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,11 @@ class ModelRunner:
 
     ``run(x)``: ``[M, in_features]`` float32 CPU -> ``[M, out_features]`` float32 CPU. On CUDA ``x``
     is padded to its bucket (``kernels.rules.bucket``) in a preallocated device buffer (padded rows
-    are computed and dropped): one replay of the bucket's graph that copies the rows in and out itself
-    where the padding is a few KB (``Staging.pads_cheaply``), else copies around the plain graph; on
-    the CPU rows run unpadded, on the bucket's path and threads.
+    are computed and dropped) and copied in and out around the bucket's graph; on the CPU rows run
+    unpadded, on the bucket's path and threads. ``graph_copies=True`` (an experiment, off until
+    measured on a GPU: ``bench/host_path.py``) captures each bucket's graph a third time with the
+    copies inside, and ``run`` replays that one where the padding is a few KB
+    (``Staging.pads_cheaply``): one launch per batch instead of three.
 
     ``warmup()`` warms every bucket. A bucket whose kernels the tune cache holds: each candidate
     path runs once, one CUDA graph per path is captured and the fastest kept. Any other bucket (with
@@ -65,7 +67,8 @@ class ModelRunner:
 
     def __init__(self, model: MLP, *, max_batch_size: int, timing_sink: TimingSink | None = None,
                  cuda_graphs: bool | None = None, timing_sample_every: int = 16,
-                 timing_min_interval_s: float = 0.02, fused: bool | None = None, provisional: bool = True):
+                 timing_min_interval_s: float = 0.02, fused: bool | None = None, provisional: bool = True,
+                 graph_copies: bool = False):
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a models.MLP, got {type(model).__name__}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -84,6 +87,7 @@ class ModelRunner:
         if cuda_graphs and not on_cuda:
             raise ValueError(f"cuda_graphs=True needs a model on CUDA; {self.name!r} is on {self.device}")
         self.cuda_graphs = on_cuda if cuda_graphs is None else bool(cuda_graphs)
+        self.graph_copies = bool(graph_copies)
         self.buckets = rules.batch_buckets(max_batch_size)
         self._bucket_of = [0] + [rules.bucket(rows, max_batch_size) for rows in range(1, max_batch_size + 1)]
         self._paths = candidate_paths(model, fused)  # name -> path, each built once
@@ -323,9 +327,10 @@ class ModelRunner:
         if captured is not None:
             self._graphs.plain[bucket] = captured
             self._graphs.capture_timed(bucket, lambda hook: self._forward(bucket, path, hook))
-            served = self._graphs.served_twin(bucket, self._with_copies(bucket, path))
-            if served is not None:
-                self._graphs.served[bucket] = served
+            if self.graph_copies:
+                served = self._graphs.served_twin(bucket, self._with_copies(bucket, path))
+                if served is not None:
+                    self._graphs.served[bucket] = served
 
     def _with_copies(self, bucket: int, path: str):
         """``path`` at ``bucket`` as a forward that copies its rows in and out itself (the staging's
@@ -387,7 +392,8 @@ class ModelRunner:
             timed = served = None
             if chosen in graphs:
                 timed = self._graphs.timed_twin(bucket, lambda hook: self._forward(bucket, chosen, hook), pool)
-                served = self._graphs.served_twin(bucket, self._with_copies(bucket, chosen), pool)
+                if self.graph_copies:
+                    served = self._graphs.served_twin(bucket, self._with_copies(bucket, chosen), pool)
             if on_cuda:
                 stream.synchronize()
         if self._keeps_current(bucket, graphs.get(chosen)):

@@ -36,16 +36,18 @@ def make_model(backend, dtype="float32"):
     return model
 
 
-@pytest.mark.parametrize("fused, max_batch, rows_list", [(True, FUSED_MAX_BATCH, (1, 3, 5)), (False, 1, (1,))])
-def test_graphs_on_and_off_give_equal_outputs(fused, max_batch, rows_list):
+@pytest.mark.parametrize("fused, max_batch, rows_list, graph_copies", [
+    (True, FUSED_MAX_BATCH, (1, 3, 5), False), (True, FUSED_MAX_BATCH, (1, 3, 5), True), (False, 1, (1,), False)])
+def test_graphs_on_and_off_give_equal_outputs(fused, max_batch, rows_list, graph_copies):
     model = make_model("triton")
-    graphed = ModelRunner(model, max_batch_size=max_batch, cuda_graphs=True, fused=fused)
+    graphed = ModelRunner(model, max_batch_size=max_batch, cuda_graphs=True, fused=fused, graph_copies=graph_copies)
     eager = ModelRunner(model, max_batch_size=max_batch, cuda_graphs=False, fused=fused)
     graphed.warmup()
     eager.warmup()
     assert graphed.cuda_graphs, "capture fell back to eager launches: see the logged warning"
     assert sorted(graphed._graphs.plain) == graphed.buckets
-    assert sorted(graphed._graphs.served) == graphed.buckets, "every bucket has its graph with copies"
+    # With graph_copies every bucket has its graph with copies inside, which run replays here.
+    assert sorted(graphed._graphs.served) == (graphed.buckets if graph_copies else [])
     torch.manual_seed(1)
     for rows in rows_list:
         x = torch.randn(rows, IN)
@@ -174,7 +176,7 @@ def test_run_replays_the_graph_with_copies_where_padding_is_cheap(out_features, 
     torch.manual_seed(0)
     config = MLPConfig(in_features=IN, hidden_features=(HIDDEN,), out_features=out_features)
     model = MLP(config, backend="triton", device="cuda", name="gpu_wide").eval().requires_grad_(False)
-    runner = ModelRunner(model, max_batch_size=FUSED_MAX_BATCH, fused=True)
+    runner = ModelRunner(model, max_batch_size=FUSED_MAX_BATCH, fused=True, graph_copies=True)
     eager = ModelRunner(model, max_batch_size=FUSED_MAX_BATCH, cuda_graphs=False, fused=True)
     runner.warm(4)
     graph, out = runner._graphs.served[4]
@@ -260,7 +262,7 @@ def test_cold_warmup_times_nothing_then_background_tuning_swaps_under_traffic(em
     def no_timing(*args, **kwargs):
         raise AssertionError("warm-up with an empty tune cache must not time candidates")
 
-    runner = ModelRunner(make_model("triton", "bfloat16"), max_batch_size=4)
+    runner = ModelRunner(make_model("triton", "bfloat16"), max_batch_size=4, graph_copies=True)
     reference = make_model("torch", "bfloat16")
     with monkeypatch.context() as patch:
         patch.setattr(tuning, "time_configs", no_timing)
