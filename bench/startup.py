@@ -34,6 +34,7 @@ per scenario (``scenario``: shipped, 4x2048, background_tuning or 4x2048_restart
 
 import argparse
 import datetime
+import functools
 import http.client
 import json
 import os
@@ -361,7 +362,7 @@ def checked(samples: list, wrong: list, tuned_at: float | None) -> dict:
     return found
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     runs.arguments(parser)
     parser.add_argument("--port", type=int, default=18100)
@@ -383,7 +384,54 @@ def main():
     parser.add_argument("--precompile-timeout-s", type=float, default=240)
     parser.add_argument("--compare-serial", action="store_true",
                         help="also start each repository cold with --parallel-compile off (a fresh Triton cache)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def tuning_rows(big: Path, work: Path, args) -> list[dict]:
+    """--tuning: the big repository tuned under traffic, then restarted on what tuning left."""
+    triton_dir = work / "triton_big"
+    ready_scenario("4x2048_prefill", big, BIG_MAX_BATCH, triton_dir, work, args)  # fills the Triton cache
+    pool = LoadPool(args.load_procs) if args.clients else None
+    tune_dir = Path(tempfile.mkdtemp(prefix="tune-", dir=work))
+    try:
+        rows = [tuning_scenario(big, triton_dir, tune_dir, work, args, pool)]
+    finally:
+        if pool:
+            pool.close()
+    if rows[-1].get("tuned_s"):  # a restart on what tuning left, both caches warm: 8 front ends, then 1
+        for workers in (None, 1):
+            rows.append(ready_scenario("4x2048_restart", big, BIG_MAX_BATCH, triton_dir, work, args,
+                                       tune_dir=tune_dir, workers=workers))
+    return rows
+
+
+def ready_rows(big: Path, work: Path, args, save) -> list[dict]:
+    """Each repository's starts to ready, ``save(rows)`` after each (``repository_starts``)."""
+    rows = []
+    for name, repo, max_batch in [("shipped", DEFAULT_REPOSITORY, None), ("4x2048", big, BIG_MAX_BATCH)]:
+        if not args.only or args.only == name:
+            for start in repository_starts(name, repo, max_batch, work, args):
+                rows.append(start())
+                save(rows)
+    return rows
+
+
+def repository_starts(name: str, repo: Path, max_batch, work: Path, args) -> list:
+    """One repository's starts, in order: Triton cache empty, then warm (the first fills what the
+    second reads), the image's, one front end, and with --compare-serial serial compiles."""
+    triton_dir = work / f"triton_{name}"
+    ready = functools.partial(ready_scenario, name, repo, max_batch)
+    starts = [functools.partial(ready, triton_dir, work, args)] * 2
+    if not args.no_image:
+        starts.append(functools.partial(image_scenario, name, repo, max_batch, work, args))
+    starts.append(functools.partial(ready, triton_dir, work, args, workers=1))
+    if args.compare_serial:
+        starts.append(functools.partial(ready, work / f"triton_{name}_serial", work, args, parallel=False))
+    return starts
+
+
+def main():
+    args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="fusedserve-startup-"))
     big = big_repository(work)
     run = runs.Run("startup", args.out, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -391,39 +439,10 @@ def main():
                    method="server process start to the first 200 on /v2/health/ready; tune cache empty unless "
                           "tune_cache says tuned; Triton cache empty (fresh TRITON_CACHE_DIR), warm (the one the "
                           "empty run left) or image (fusedserve precompile with no GPU visible)")
-    rows = []
     if args.tuning:
-        triton_dir = work / "triton_big"
-        ready_scenario("4x2048_prefill", big, BIG_MAX_BATCH, triton_dir, work, args)  # fills the Triton cache
-        pool = LoadPool(args.load_procs) if args.clients else None
-        tune_dir = Path(tempfile.mkdtemp(prefix="tune-", dir=work))
-        try:
-            rows.append(tuning_scenario(big, triton_dir, tune_dir, work, args, pool))
-        finally:
-            if pool:
-                pool.close()
-        if rows[-1].get("tuned_s"):  # a restart on what tuning left, both caches warm: 8 front ends, then 1
-            for workers in (None, 1):
-                rows.append(ready_scenario("4x2048_restart", big, BIG_MAX_BATCH, triton_dir, work, args,
-                                           tune_dir=tune_dir, workers=workers))
+        rows = tuning_rows(big, work, args)
     else:
-        plan = [("shipped", DEFAULT_REPOSITORY, None), ("4x2048", big, BIG_MAX_BATCH)]
-        for name, repo, max_batch in plan:
-            if args.only and args.only != name:
-                continue
-            triton_dir = work / f"triton_{name}"
-            for _ in ("empty", "warm"):  # the first start fills the Triton cache the second one reads
-                rows.append(ready_scenario(name, repo, max_batch, triton_dir, work, args))
-                run.save(rows, summary(rows), complete=False)
-            if not args.no_image:
-                rows.append(image_scenario(name, repo, max_batch, work, args))
-                run.save(rows, summary(rows), complete=False)
-            rows.append(ready_scenario(name, repo, max_batch, triton_dir, work, args, workers=1))
-            run.save(rows, summary(rows), complete=False)
-            if args.compare_serial:
-                rows.append(ready_scenario(name, repo, max_batch, work / f"triton_{name}_serial", work, args,
-                                           parallel=False))
-                run.save(rows, summary(rows), complete=False)
+        rows = ready_rows(big, work, args, lambda rows: run.save(rows, summary(rows), complete=False))
     run.save(rows, summary(rows), complete=True)
     log(f"appended the run to {run.path}")
 
