@@ -63,7 +63,7 @@ lint: $(TEST_STAMP)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/ruff check .
 
-# The live page in headless chromium against a real server (tests/service/test_dashboard_browser.py);
+# The live page in headless chromium against a real server (tests/service/dashboard/test_dashboard_browser.py);
 # apt-gets chromium and its driver when missing (~1 min), and fails rather than skips without them.
 browser-test: $(TEST_STAMP)
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
@@ -72,7 +72,7 @@ browser-test: $(TEST_STAMP)
 	        exit 1; fi; \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; fi
 	FUSEDSERVE_REQUIRE_BROWSER=1 FUSEDSERVE_DASHBOARD_SCREENSHOT=$(SCREENSHOT) \
-	    $(BIN)/python -m pytest -v tests/service/test_dashboard_browser.py
+	    $(BIN)/python -m pytest -v tests/service/dashboard/test_dashboard_browser.py
 
 # Builds the CPU image with podman and runs tests/container against it (the README's Deploy section).
 container-test: export CONTAINERS_CONF ?= $(CURDIR)/tests/container/containers.conf

@@ -9,7 +9,7 @@ import os
 
 # The measured rows: the best 8192^3 bf16 matmul and device copy that bench/kernels.py records in every
 # run's line (matmul_tflops, copy_tbps), over the runs of bench/results/kernels.jsonl on that GPU
-# (tests/service/test_model_stats.py checks these against the file). fp16 is taken as bf16; fp32
+# (tests/service/stats/test_model_stats.py checks these against the file). fp16 is taken as bf16; fp32
 # without TF32 is the datasheet's.
 MEASURED = "the best of bench/results/kernels.jsonl's runs there"
 # (substring of torch's device name, peaks). The first match wins: "H100 PCIe" before "H100".

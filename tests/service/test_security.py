@@ -11,7 +11,7 @@ from fusedserve.service.app import create_app
 from fusedserve.service.settings import Settings
 
 from .conftest import _close, _serve, wait_ready
-from .test_grpc import ROWS, raw_request
+from .grpc.test_grpc import ROWS, raw_request
 
 INFER = ("/infer", {"model": "tiny", "inputs": [[1.0, 2.0, 3.0]]})
 V2 = ("/v2/models/tiny/infer", {"inputs": [{"name": "input", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]})

@@ -1,5 +1,5 @@
 """tools/dashboard_shot.py capture: the page's two JSON routes kept as a line of dashboard.jsonl, or as
-one JSON file (the browser half is tests/service/test_dashboard_browser.py's)."""
+one JSON file (the browser half is tests/service/dashboard/test_dashboard_browser.py's)."""
 
 import json
 import threading

@@ -12,7 +12,7 @@ from fusedserve import models
 from fusedserve.service.app import create_app
 from fusedserve.service.cli import parser, settings_from_args
 
-from .conftest import _close, _serve, wait_ready
+from ..conftest import _close, _serve, wait_ready
 
 
 def _poison(repository, name="wide", tensor="layers.0.weight"):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 from hpack import Encoder
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 from .test_h2 import (
     CONTINUATION,
     DATA,

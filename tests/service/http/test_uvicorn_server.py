@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from .conftest import IN, OUT, Server, reference, write_repository
+from ..conftest import IN, OUT, Server, reference, write_repository
 
 ROWS = np.array([[0.5, -1.0, 2.0], [3.0, 0.0, -7.0], [100.0, 1.0, 1.0]], dtype=np.float32)
 # Same float32 math on the same CPU in another process; batched rows may take another BLAS path.

@@ -11,7 +11,7 @@ from fusedserve.service.stats.model_stats import by_status, outcome_statuses
 from fusedserve.service.stats.service_stats import ServiceStats
 
 ROWS = [[0.5, -1.0, 2.0], [3.0, 0.0, -7.0]]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 async def test_model_stats_count_requests_latency_and_errors_by_status(client):

@@ -11,7 +11,7 @@ from tritonclient.utils import InferenceServerException
 
 from fusedserve import models
 
-from .conftest import IN, OUT, _close, _serve
+from ..conftest import IN, OUT, _close, _serve
 
 ROW = [[0.5, -1.0, 2.0]]
 

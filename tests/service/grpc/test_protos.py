@@ -13,7 +13,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from fusedserve.service.grpc import inference_pb2
 from tools import protos
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 THEIRS = {**service_pb2.DESCRIPTOR.message_types_by_name, **model_config_pb2.DESCRIPTOR.message_types_by_name}
 

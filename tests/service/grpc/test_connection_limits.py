@@ -20,7 +20,7 @@ import pytest
 from fusedserve.service.grpc.policy import GrpcPolicy, Watch
 from fusedserve.service.settings import Settings
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 from .test_h2 import DATA, END_HEADERS, GOAWAY, HEADERS, PREFACE, RST_STREAM, SETTINGS, frame, request_block
 from .test_h2_floods import rss_mib
 

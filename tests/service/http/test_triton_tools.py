@@ -9,7 +9,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 
 MAX_BATCH, DELAY_MS = 16, 3.0
 ROWS = np.array([[0.5, -1.0, 2.0], [3.0, 0.0, -7.0]], dtype=np.float32)

@@ -21,7 +21,7 @@ from fusedserve.service.grpc import calls as grpc_calls, h2, h2_limits
 from fusedserve.service.grpc.server import GrpcServer
 from fusedserve.service.settings import Settings
 
-from .conftest import free_port
+from ..conftest import free_port
 
 T = 5.0  # seconds any one wait may take
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

@@ -1,11 +1,11 @@
 """The live page of a server with two CPU engines (``--devices cpu,cpu``), in a real headless browser
-(tests/service/test_dashboard_browser.py's, skipped as it is): each model's totals, and a row per
+(tests/service/dashboard/test_dashboard_browser.py's, skipped as it is): each model's totals, and a row per
 device whose requests add up to them."""
 
 import httpx
 import pytest
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 from .test_dashboard_browser import _count, _field, _wait, browser  # noqa: F401 - browser is a fixture
 
 pytestmark = pytest.mark.slow

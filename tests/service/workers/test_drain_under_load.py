@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 
 CLIENTS = 64
 LOAD_BEFORE_S = 0.5  # load before SIGTERM

@@ -17,7 +17,7 @@ import pytest
 from fusedserve.service.stats.peaks import gpu_peaks
 from tools.dashboard_shot import browser_paths, capture, chrome, full_page_png, replay
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 
 pytestmark = pytest.mark.slow
 KEY = "s3cret"

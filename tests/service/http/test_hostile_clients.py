@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 
 BODY = json.dumps({"model": "tiny", "inputs": [[0.5, -1.0, 2.0]]}).encode()
 HEAD = (b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -1,12 +1,12 @@
 """``--devices all --workers 2`` on a GPU host: one CUDA engine per visible GPU behind two front ends,
-with the checks of tests/service/test_devices_server.py (right answers under load, per-device and
+with the checks of tests/service/workers/test_devices_server.py (right answers under load, per-device and
 total stats, an engine killed under load, a drain that loses nothing). On a one-GPU host that is one
 CUDA engine; on several GPUs the load spreads over them all."""
 
 import pytest
 import torch
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 from .test_devices_server import (
     FLAGS,
     check_balanced_and_counted,

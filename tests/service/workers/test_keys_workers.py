@@ -9,8 +9,8 @@ import httpx
 import pytest
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc
 
-from .conftest import Server, write_repository
-from .test_grpc import ROWS, raw_request
+from ..conftest import Server, write_repository
+from ..grpc.test_grpc import ROWS, raw_request
 from .test_workers import children
 
 API, ADMIN, MASK = "inference-key-7", "admin-key-9", "**********"

@@ -18,7 +18,7 @@ import pytest
 
 from fusedserve.service.workers.frontend import FAULT_ENV
 
-from .conftest import Server, write_repository
+from ..conftest import Server, write_repository
 
 CLIENTS = 16
 HANG_S = 5.0  # a request unanswered this long counts as hung

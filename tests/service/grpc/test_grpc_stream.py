@@ -10,7 +10,7 @@ import pytest
 import tritonclient.grpc.aio as triton_grpc
 from prometheus_client import generate_latest
 
-from .conftest import IN, OUT, _close, _serve, reference
+from ..conftest import IN, OUT, _close, _serve, reference
 from .test_grpc import ATOL, ROWS, RTOL, _hold_next_batch, raw_request
 
 

@@ -9,7 +9,7 @@ from fusedserve.service.app import create_app
 from fusedserve.service.http.routes.openapi import INFER_EXAMPLE, SCHEMAS
 from fusedserve.service.settings import Settings
 
-from .conftest import wait_ready
+from ..conftest import wait_ready
 
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
 

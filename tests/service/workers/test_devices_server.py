@@ -3,7 +3,7 @@ engines, two front ends) on loopback. Requests spread over both engines, every a
 stats and metrics say per device and in total; an engine killed or stopped under load leaves
 rotation at once (its requests get a clear 503, none hangs, readiness holds) and is restarted; a
 SIGTERM under load loses nothing. The checks take the server and its engines' labels, so the GPU
-tests (tests/service/test_devices_gpu.py) run them on CUDA engines."""
+tests (tests/service/workers/test_devices_gpu.py) run them on CUDA engines."""
 
 import asyncio
 import json
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Server, reference, write_repository
+from ..conftest import Server, reference, write_repository
 from .test_drain_under_load import CLIENTS as DRAIN_CLIENTS, load_then_sigterm
 from .test_workers import BODY, CLIENTS, HANG_S, load
 
@@ -137,7 +137,7 @@ def _until_served(server: Server, label: str, want: np.ndarray) -> None:
 
 
 def check_drain(server: Server) -> None:
-    """SIGTERM under load (tests/service/test_drain_under_load.py's clients): every request answered 200."""
+    """SIGTERM under load (tests/service/workers/test_drain_under_load.py's clients): every request answered 200."""
     record, refused = [], []
     asyncio.run(load_then_sigterm(server, BODY, record, refused))
     assert record and {status for status, _, _ in record} == {200}, sorted({s for s, _, _ in record})

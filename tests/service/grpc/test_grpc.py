@@ -18,7 +18,7 @@ from fusedserve import models
 from fusedserve.service.app import create_app
 from fusedserve.service.settings import Settings
 
-from .conftest import IN, OUT, _close, _serve, reference
+from ..conftest import IN, OUT, _close, _serve, reference
 
 ROWS = np.array([[0.5, -1.0, 2.0], [3.0, 0.0, -7.0], [1.0, 1.0, 1.0]], dtype=np.float32)
 # Same float32 math on the same CPU, but batched rows may take another BLAS path: allow rounding.
@@ -243,7 +243,7 @@ async def test_a_port_another_server_holds_is_an_error(served, settings):
 async def test_messages_above_the_clients_windows_go_both_ways(settings, tmp_path):
     # 8 rows of 4096 floats each way (128 KiB), above HTTP/2's default 64 KiB window: the request goes
     # through only in the window our SETTINGS open. (grpcio's client opens its own wide at once;
-    # tests/service/test_h2.py holds the answer to a narrow one.)
+    # tests/service/grpc/test_h2.py holds the answer to a narrow one.)
     torch.manual_seed(0)
     models.save_model(models.MLP(models.MLPConfig(4096, (16,), 4096)), tmp_path / "big" / "wide4k")
     served = await _serve(settings.model_copy(update={"model_repository": tmp_path / "big"}))
