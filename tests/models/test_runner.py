@@ -189,13 +189,13 @@ class _Graph:
 
 @pytest.mark.parametrize("current_faster", [True, False])
 def test_a_swap_keeps_the_provisional_graph_where_it_times_faster(monkeypatch, current_faster):
-    from fusedserve.models import runner as runner_module
+    from fusedserve.models import warming
 
     runner = ModelRunner(make_model(), max_batch_size=8)
     runner.warmup()
     runner.choice_states[8] = "provisional"
     runner._graphs.plain[8] = (_Graph(), None)
-    monkeypatch.setattr(runner_module, "current_is_faster", lambda current, tuned: current_faster)
+    monkeypatch.setattr(warming, "current_is_faster", lambda current, tuned: current_faster)
     assert runner._keeps_current(8, (_Graph(), None)) is current_faster
     assert runner.choice_states[8] == ("tuned" if current_faster else "provisional")
     assert runner._keeps_current(8, None) is False, "nothing tuned to compare with: swap"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fusedserve.models import sampling
-from fusedserve.models.sampling import TimingSampler
+from fusedserve.models import timing
+from fusedserve.models.timing import TimingSampler
 
 
 class Clock:
@@ -17,7 +17,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(sampling.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(timing.time, "monotonic", clock.monotonic)
     return clock
 
 
