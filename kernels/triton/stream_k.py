@@ -16,12 +16,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusedserve.kernels.activations import apply_activation
 from fusedserve.kernels.device import cuda_sm_count
 from fusedserve.kernels.family import KernelFamily
 from fusedserve.kernels.rules import SMS
 from fusedserve.kernels.triton.common import grouped_tile, launch_dependents_then_wait
-from fusedserve.kernels.triton.tma_persistent import tma_unfit
+from fusedserve.kernels.triton.tma_persistent import tma_k_steps, tma_store_tile, tma_unfit
 
 NAME = "triton_stream_k"
 
@@ -62,33 +61,6 @@ def candidates(M, N, K, dtype):
                 seen.add((str(tile), plan))
                 found.append(config)
     return found
-
-
-@triton.jit
-def _k_steps(x_desc, w_desc, off_m, off_n, k_first, k_last,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_BF16: tl.constexpr):
-    """fp32 sums of X[off_m:, :] @ W[off_n:, :]^T over K steps ``k_first`` to ``k_last`` (TMA
-    zero-fills past the edges)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(k_first, k_last):
-        x = x_desc.load([off_m, kt * BLOCK_K])
-        w = w_desc.load([off_n, kt * BLOCK_K])
-        if UPCAST_BF16:  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, w.T, acc)
-    return acc
-
-
-@triton.jit
-def _store_tile(acc, y_desc, b_ptr, off_m, off_n, N,
-                HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Epilogue: bias and activation while the accumulator is still in fp32, then one TMA store."""
-    if HAS_BIAS:
-        cols = off_n + tl.arange(0, BLOCK_N)
-        acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACTIVATION)
-    y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
 @triton.jit
@@ -149,9 +121,10 @@ def _stream_k_kernel(
     # Whole tiles, one program each, in grouped order.
     for tile in tl.range(pid, DP_TILES, tl.num_programs(0), flatten=True):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _k_steps(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, k_tiles,
-                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_BF16)
-        _store_tile(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, ACTIVATION, BLOCK_N)
+        acc = tma_k_steps(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, k_tiles,
+                          BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_BF16)
+        tma_store_tile(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, ACTIVATION,
+                       BLOCK_M, BLOCK_N, False)
 
     # This program's run of the remaining tiles' K steps, a tile (or part of one) at a time.
     start = _first_step(pid, SK_PER, SK_EXTRA)
@@ -162,10 +135,11 @@ def _stream_k_kernel(
         k_first = step - sk_tile * k_tiles
         k_last = tl.minimum(k_tiles, k_first + end - step)
         pid_m, pid_n = grouped_tile(DP_TILES + sk_tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _k_steps(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_last,
-                       BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_BF16)
+        acc = tma_k_steps(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_last,
+                          BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_BF16)
         if (k_first == 0) & (k_last == k_tiles):
-            _store_tile(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, ACTIVATION, BLOCK_N)
+            tma_store_tile(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, ACTIVATION,
+                           BLOCK_M, BLOCK_N, False)
         else:
             # Store this part, then count it (the atomic releases the stores of every thread after the
             # barrier); the tile's last part to arrive adds them all.
@@ -175,8 +149,8 @@ def _stream_k_kernel(
             parts = _owner(tile_step + k_tiles - 1, SK_PER, SK_EXTRA) - _owner(tile_step, SK_PER, SK_EXTRA) + 1
             if tl.atomic_add(count_ptr + sk_tile, 1) == parts - 1:
                 acc = _sum_parts(part_ptr, tile_step, k_tiles, SK_PER, SK_EXTRA, BLOCK_M, BLOCK_N)
-                _store_tile(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, ACTIVATION,
-                            BLOCK_N)
+                tma_store_tile(acc, y_desc, b_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, ACTIVATION,
+                               BLOCK_M, BLOCK_N, False)
         step += k_last - k_first
 
 

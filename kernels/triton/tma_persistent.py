@@ -42,6 +42,40 @@ def candidates(M, N, K, dtype):
 
 
 @triton.jit
+def tma_k_steps(x_desc, w_desc, off_m, off_n, k_first, k_last,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_BF16: tl.constexpr):
+    """Main loop: fp32 sums of X[off_m:, :] @ W[off_n:, :]^T over K steps ``k_first`` to ``k_last``,
+    tiles moved by TMA (zero-filled past the edges). Shared with ``stream_k``."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(k_first, k_last):
+        x = x_desc.load([off_m, kt * BLOCK_K])
+        w = w_desc.load([off_n, kt * BLOCK_K])
+        if UPCAST_BF16:  # interpreter only: its bf16 tl.dot is wrong, fp32 is right
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w.T, acc)
+    return acc
+
+
+@triton.jit
+def tma_store_tile(acc, y_desc, b_ptr, off_m, off_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_STORE: tl.constexpr):
+    """Epilogue: bias and activation while the accumulator is still in fp32, then a TMA store
+    (clipped at the edges), as two [BLOCK_M, BLOCK_N // 2] halves with ``SPLIT_STORE``."""
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    if SPLIT_STORE:
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        y_desc.store([off_m, off_n], left.to(y_desc.dtype))
+        y_desc.store([off_m, off_n + BLOCK_N // 2], right.to(y_desc.dtype))
+    else:
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+@triton.jit
 def _tma_persistent_kernel(
     # descriptors: x [M, K], w [N, K], y [M, N]; bias is a plain pointer
     x_desc, w_desc, y_desc, b_ptr,
@@ -69,29 +103,8 @@ def _tma_persistent_kernel(
         off_m = (first_m + (tile % num_in_group) % group_rows) * BLOCK_M
         off_n = ((tile % num_in_group) // group_rows) * BLOCK_N
 
-        # Main loop: TMA loads (zero-filled past the edges), fp32 accumulator.
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(k_tiles):
-            x = x_desc.load([off_m, kt * BLOCK_K])
-            w = w_desc.load([off_n, kt * BLOCK_K])
-            if UPCAST_BF16:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(x, w.T, acc)
-
-        # Epilogue: bias and activation while the accumulator is still in fp32, then one TMA store
-        # (clipped at the edges).
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            acc = acc + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        acc = apply_activation(acc, ACTIVATION)
-        if SPLIT_STORE:
-            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            left, right = tl.split(halves)
-            y_desc.store([off_m, off_n], left.to(y_desc.dtype))
-            y_desc.store([off_m, off_n + BLOCK_N // 2], right.to(y_desc.dtype))
-        else:
-            y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+        acc = tma_k_steps(x_desc, w_desc, off_m, off_n, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_BF16)
+        tma_store_tile(acc, y_desc, b_ptr, off_m, off_n, N, HAS_BIAS, ACTIVATION, BLOCK_M, BLOCK_N, SPLIT_STORE)
 
 
 def launch(x, weight, bias, activation, out, config, *, input_precision, upcast_bf16, pdl=False,
