@@ -6,7 +6,7 @@ Run on a CUDA GPU from the repository root (``bench/model.py --contract`` runs t
 
     python bench/model_contract.py [--budget-s 500] [--quick] [--plot model_contract.png]
     python bench/model_contract.py --random 6 --seed S [--at-ready]   # models nobody tuned for
-    python bench/model_contract.py ... --graph-copies   # runners whose graphs hold their copies
+    python bench/model_contract.py ... --staged   # runners that copy around their graphs (no graph_copies)
 
 Appends the run to ``OUT/model_contract.jsonl`` (``bench/runs.py``; OUT defaults to bench/results):
 rows [{"model", "dtype", "widths", "batch", "bucket", "fusedserve_us", "torch_graph_us", "ratio",
@@ -246,10 +246,10 @@ def time_row(runner: ModelRunner, peer: TorchGraphContract, x: torch.Tensor, buc
     return times
 
 
-def measure_model(spec, batches, calls: int, emit, at_ready: bool = False, graph_copies: bool = False) -> None:
+def measure_model(spec, batches, calls: int, emit, at_ready: bool = False, graph_copies: bool = True) -> None:
     """Every batch of one model: check both against each other, time them, ``emit`` a row each.
     ``at_ready``: on provisional choices, as a server answers before background tuning;
-    ``graph_copies``: the runner's experiment of that name (its graphs copy rows in and out)."""
+    ``graph_copies``: runners whose graphs copy the rows in and out (off with --staged)."""
     fused, reference = build(spec)
     # provisional=False: the first batch of each bucket tunes it (only the buckets measured here).
     runner = ModelRunner(fused, max_batch_size=max(batches), provisional=at_ready, graph_copies=graph_copies)
@@ -320,7 +320,7 @@ def plot(rows, path, gpu):
 
 
 def run(out: Path, quick: bool, budget_s: float, note: str | None = None, png: Path | None = None,
-        random_n: int | None = None, seed: int = 0, at_ready: bool = False, graph_copies: bool = False) -> dict:
+        random_n: int | None = None, seed: int = 0, at_ready: bool = False, graph_copies: bool = True) -> dict:
     # Read when the first bucket tunes.
     os.environ.setdefault(tune_cache.ENV_VAR, tempfile.mkdtemp(prefix="fusedserve-tune-"))
     gpu = torch.cuda.get_device_name()
@@ -366,13 +366,13 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seed of --random's models and batches")
     parser.add_argument("--at-ready", action="store_true", help="provisional choices, nothing tuned (a server "
                         "before background tuning)")
-    parser.add_argument("--graph-copies", action="store_true", help="runners whose graphs copy the rows in "
-                        "and out themselves (ModelRunner's graph_copies experiment)")
+    parser.add_argument("--staged", action="store_true", help="runners that copy the rows in and out around "
+                        "their graphs (ModelRunner's graph_copies off)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/model_contract.py needs a CUDA GPU")
     run(args.out, args.quick, args.budget_s, args.note, args.plot, args.random, args.seed, args.at_ready,
-        args.graph_copies)
+        not args.staged)
 
 
 if __name__ == "__main__":

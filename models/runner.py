@@ -26,11 +26,11 @@ class ModelRunner(Warming):
 
     ``run(x)``: ``[M, in_features]`` float32 CPU -> ``[M, out_features]`` float32 CPU. On CUDA ``x``
     is padded to its bucket (``kernels.rules.bucket``) in a preallocated device buffer (padded rows
-    are computed and dropped) and copied in and out around the bucket's graph; on the CPU rows run
-    unpadded, on the bucket's path and threads. ``graph_copies=True`` (an experiment, off until
-    measured on a GPU: ``bench/host_path.py``) captures each bucket's graph a third time with the
-    copies inside, and ``run`` replays that one where the padding is a few KB
-    (``Staging.pads_cheaply``): one launch per batch instead of three.
+    are computed and dropped): one replay of the bucket's graph that copies the rows in and out itself
+    (``graph_copies``, the default; a third graph per bucket), where the padding is a few KB
+    (``Staging.pads_cheaply``), else copies around the plain graph (timed batches too); on the CPU rows
+    run unpadded, on the bucket's path and threads. The copies inside save the host two launches a
+    batch (``bench/host_path.py``'s ``staged``).
 
     Warm-up, tuning and swaps (``warmup``, ``warm``, ``tune``, ``retune``, ``choice_states``,
     ``startup_seconds``) come from ``models.warming.Warming``.
@@ -56,7 +56,7 @@ class ModelRunner(Warming):
     def __init__(self, model: MLP, *, max_batch_size: int, timing_sink: TimingSink | None = None,
                  cuda_graphs: bool | None = None, timing_sample_every: int = 16,
                  timing_min_interval_s: float = 0.02, fused: bool | None = None, provisional: bool = True,
-                 graph_copies: bool = False):
+                 graph_copies: bool = True):
         if not isinstance(model, MLP):
             raise TypeError(f"model must be a models.MLP, got {type(model).__name__}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:

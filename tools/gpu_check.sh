@@ -30,7 +30,7 @@
 #   choices): run() with graph copies against itself with one host step done the peer's way.
 # model-contract-random: bench/model_contract.py --random $CONTRACT_RANDOM --seed $CONTRACT_SEED (models
 #   nobody tuned for; CONTRACT_AT_READY=1: provisional choices, as a server before background tuning;
-#   CONTRACT_GRAPH_COPIES=1: runners whose graphs copy the rows in and out themselves).
+#   CONTRACT_STAGED=1: runners that copy the rows around their graphs, not inside them).
 # onnx-peer: bench/onnx_peer.py (imported ONNX models vs onnxruntime on the same file; ONNX_DTYPE; needs
 #   onnx and onnxruntime on the host). onnx-peer-http: the same end to end, fusedserve serve against a naive
 #   FastAPI app on onnxruntime, loaded over HTTP (ONNX_BUDGET_S).
@@ -264,7 +264,7 @@ print(f\"engine code imported in {time.perf_counter() - t:.2f} s\")"; done; sort
             --plot "$out/kernels-random_$gpu.png" ;;
         model-contract-random) stage model-contract-random "${CONTRACT_LIMIT_S:-590}" python3 bench/model_contract.py \
             --random "${CONTRACT_RANDOM:-6}" --seed "${CONTRACT_SEED:-$fresh_seed}" ${CONTRACT_AT_READY:+--at-ready} ${CONTRACT_QUICK:+--quick} \
-            ${CONTRACT_GRAPH_COPIES:+--graph-copies} \
+            ${CONTRACT_STAGED:+--staged} \
             --budget-s "${CONTRACT_BUDGET_S:-420}" --out "$out" ;;
         onnx-peer) stage onnx-peer "${ONNX_LIMIT_S:-400}" python3 bench/onnx_peer.py --dtype "${ONNX_DTYPE:-float32}" \
             --out "$out" ;;
