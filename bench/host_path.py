@@ -3,8 +3,8 @@
     python bench/host_path.py 352-328-96-2800-144:float32:6 8-160-736:float32:44 [--at-ready]
 
 For each ``WIDTHS:DTYPE:BATCH`` (random weights; at ready on provisional choices, else each measured
-bucket tuned first) a runner with ``graph_copies`` (each bucket's graph holds its copies in and out)
-is built, and ``run(rows)`` is alternated (``bench/timing.py``) with variants of itself, each with one
+bucket tuned first) a runner is built (with ``graph_copies``, its default: each bucket's graph holds
+its copies in and out), and ``run(rows)`` is alternated (``bench/timing.py``) with variants of itself, each with one
 step done the peer's way (``bench/model_contract.py``'s torch CUDA graph contract): ``staged`` (the
 rows copied in and out around the plain graph, as ``run`` does without ``graph_copies`` and as the
 peer does), ``no_check`` (the rows' checks skipped), ``no_lock`` (no lock around the batch),
@@ -137,13 +137,12 @@ def measure(case, at_ready: bool, log) -> list[dict]:
 
     spec, batch = case
     fused, reference = build(spec)
-    runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready, graph_copies=True)
+    runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready)
     peer = TorchGraphContract(reference, batch)
     x = 4 * torch.rand(batch, fused.config.in_features)
     runner.run(x), peer(x)
     with without_pdl():  # warmed and captured here, so its graphs hold plain launches
-        plain_runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready,
-                                   graph_copies=True)
+        plain_runner = ModelRunner(fused, max_batch_size=max(batch, MAX_BATCH), provisional=at_ready)
         plain_runner.run(x)
     rows = []
     for name, call in variants(runner, peer, x, plain_runner).items():
