@@ -11,11 +11,15 @@ whose compiled kernels are all in memory: that pass is the timing alone, so the 
 compiling. ``--ahead`` measures the background tuner's way instead: every candidate compiled by
 parallel processes without the GPU, bucket by bucket, each bucket tuned once its kernels are. Appends one line to
 ``OUT/tuning.jsonl``: per model and bucket, the seconds of each step (issue 36's target: a model's
-background tuning within 20 s).
+background tuning within 20 s). ``--profile`` adds where the tuning calls' time goes, per model: a
+cProfile dump beside the results and its top functions in the log.
 """
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -59,11 +63,27 @@ def runner_for(sizes, dtype, max_batch_size):
     return runner
 
 
-def seconds_of(fn) -> float:
+def seconds_of(fn, profiler: cProfile.Profile | None = None) -> float:
+    """Seconds of ``fn()`` to the GPU's last kernel, under ``profiler`` where given."""
     start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
+    if profiler is not None:
+        profiler.enable()
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        if profiler is not None:
+            profiler.disable()
     return round(time.perf_counter() - start, 3)
+
+
+def save_profile(profiler: cProfile.Profile, path: Path, log, top: int = 30) -> None:
+    """``profiler``'s dump at ``path`` and its ``top`` functions by own and by cumulative time in the log."""
+    profiler.dump_stats(path)
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        log(f"profile by {order} ({path.name}):\n{text.getvalue()}")
 
 
 def measure(sizes, dtype, max_batch_size, log) -> list[dict]:
@@ -80,7 +100,7 @@ def measure(sizes, dtype, max_batch_size, log) -> list[dict]:
     return rows
 
 
-def measure_ahead(sizes, dtype, max_batch_size, log) -> list[dict]:
+def measure_ahead(sizes, dtype, max_batch_size, log, profiler=None) -> list[dict]:
     """The background tuner's way (``--ahead``): on a fresh Triton cache, processes that need no GPU
     compile every candidate bucket by bucket (``models.aot.compile_candidates_ahead``) while this
     process tunes each bucket as soon as its kernels are compiled (``waited_s`` for them), which should
@@ -103,7 +123,7 @@ def measure_ahead(sizes, dtype, max_batch_size, log) -> list[dict]:
                 waited = progress.wait(b)
                 misses.clear()
                 rows.append(dict(model="-".join(map(str, sizes)), dtype=dtype, bucket=b, waited_s=round(waited, 3),
-                                 tune_after_s=seconds_of(lambda b=b: runner.tune(b)),
+                                 tune_after_s=seconds_of(lambda b=b: runner.tune(b), profiler),
                                  compiled_after=dict(Counter(misses))))  # kernels the ahead pass missed
                 log(f"  {rows[-1]}")
             ahead = compiled.result()[2]
@@ -124,6 +144,8 @@ def main(argv=None):
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--ahead", action="store_true",
                         help="the background tuner's way: candidates compiled ahead in parallel, then timed")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --ahead: profile the tuning calls (OUT/tuning_profile_MODEL.pstats, top in the log)")
     parser.add_argument("--search", choices=choosing.SEARCHES, default=choosing.SEARCHES[0],
                         help="how widely tuning searches (kernels.choosing.SEARCH_ENV; default a server's)")
     args = parser.parse_args(argv)
@@ -134,8 +156,8 @@ def main(argv=None):
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     run = runs.Run("tuning", args.out, gpu=torch.cuda.get_device_name(), note=args.note, torch=torch.__version__,
                    mode="ahead" if args.ahead else "in_process", search=args.search,
-                   max_batch_size=args.max_batch_size, triton_cache="fresh" if "triton-cache-" in
-                   os.environ["TRITON_CACHE_DIR"] else "given")
+                   profiled=args.profile and args.ahead, max_batch_size=args.max_batch_size,
+                   triton_cache="fresh" if "triton-cache-" in os.environ["TRITON_CACHE_DIR"] else "given")
     rows = []
     if args.ahead:  # as an engine starts it, before it loads its models
         from fusedserve.models import precompile
@@ -143,7 +165,13 @@ def main(argv=None):
         precompile.start_compile_server()
     for sizes, dtype in args.models:
         log(f"model {sizes} {dtype}")
-        rows += (measure_ahead if args.ahead else measure)(sizes, dtype, args.max_batch_size, log)
+        profiler = cProfile.Profile() if args.profile and args.ahead else None
+        if args.ahead:
+            rows += measure_ahead(sizes, dtype, args.max_batch_size, log, profiler)
+        else:
+            rows += measure(sizes, dtype, args.max_batch_size, log)
+        if profiler is not None:
+            save_profile(profiler, args.out / f"tuning_profile_{'-'.join(map(str, sizes))}_{dtype}.pstats", log)
         mine = [r for r in rows if r["model"] == "-".join(map(str, sizes)) and r["dtype"] == dtype]
         totals = {k: round(sum(r[k] for r in mine), 1) for k in mine[0] if k.endswith("_s")}
         if args.ahead:  # spans, not sums over buckets

@@ -19,7 +19,7 @@
 #   windows, h2load from .tools/ (carry it) beside the project's generator, while tuning and after.
 # tuning: bench/tuning.py (a model's tuning seconds, compiling against timing; TUNING_MODELS;
 #   TUNING_AHEAD=1: the background tuner's way, candidates compiled ahead in parallel; TUNING_SEARCH
-#   near (default) or full).
+#   near (default) or full; TUNING_PROFILE=1 with TUNING_AHEAD: a cProfile of the tuning calls).
 # kernels-random: bench/kernels.py --random $RANDOM_N --seed $RANDOM_SEED (shapes nobody benchmarked;
 #   both seeds default to one from the clock; RANDOM_DTYPES, e.g. float32, draws those dtypes instead
 #   of bf16/fp16; RANDOM_PRECOMPILE=1 compiles every shape's candidates first in parallel, so more
@@ -256,7 +256,7 @@ print(f\"engine code imported in {time.perf_counter() - t:.2f} s\")"; done; sort
         host-path) stage host-path "${HOST_PATH_LIMIT_S:-240}" python3 bench/host_path.py $HOST_PATH_CASES \
             ${HOST_PATH_AT_READY:+--at-ready} --out "$out" ;;
         tuning) stage tuning "${TUNING_LIMIT_S:-300}" python3 bench/tuning.py ${TUNING_MODELS:+--models $TUNING_MODELS} ${TUNING_AHEAD:+--ahead} \
-            ${TUNING_SEARCH:+--search $TUNING_SEARCH} \
+            ${TUNING_SEARCH:+--search $TUNING_SEARCH} ${TUNING_PROFILE:+--profile} \
             --out "$out" ;;
         kernels-random) stage kernels-random 590 python3 bench/kernels.py --random "${RANDOM_N:-40}" \
             --seed "${RANDOM_SEED:-$fresh_seed}" --budget-s "${RANDOM_BUDGET_S:-480}" ${RANDOM_DTYPES:+--dtypes "$RANDOM_DTYPES"} ${RANDOM_PRECOMPILE:+--precompile} "${kernels_out[@]}" \
