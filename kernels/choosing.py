@@ -198,7 +198,7 @@ def search_list(problem: Problem, families, entries, static_weight=False) -> tup
     """What a tuning call times, and how its tune-cache entry is marked: with the table ``entries``
     a near search (see ``SEARCH_ENV``; marked ``NEAR``), the provisional choice, the vendor's GEMM,
     then what won at the nearest measured shapes (at a few rows, every config of the provisional
-    choice's family too; always every config of a ``near_whole`` family); every candidate (no
+    choice's family too; every config of a family whose ``near_whole`` says so); every candidate (no
     mark) where that is no shorter or the table has no usable entry of the problem's dtype (pass no
     entries for a full search)."""
     every = every_candidate(families, problem)
@@ -209,7 +209,7 @@ def search_list(problem: Problem, families, entries, static_weight=False) -> tup
     pairs = _with_vendor((kernel, config), families, problem)
     if tuning_rows(problem.M) <= provisional.NEAR_WHOLE_FAMILY_ROWS:
         near = near + every_candidate([f for f in families if f.name == kernel], problem)
-    near = near + every_candidate([f for f in families if f.near_whole], problem)
+    near = near + every_candidate([f for f in families if f.near_whole(problem)], problem)
     pairs += [pair for pair in near if pair not in pairs]
     return (pairs, NEAR) if len(pairs) < len(every) else (every, None)
 

@@ -44,7 +44,7 @@ class KernelFamily:
     # the family's candidates and the config it won with at the nearest measured shape ({}: none);
     # None: the candidate sharing most values with the measured one (``provisional.closest_config``).
     provisional_config: Callable[[Problem, list[dict], dict], dict] | None = None
-    # Whether a near search (``choosing.search_list``) times every candidate of the family wherever it
-    # is offered: a narrow class of problems with few candidates, which the nearest measured shapes
-    # seldom speak for.
-    near_whole: bool = False
+    # Problems where a near search (``choosing.search_list``) times every candidate of the family
+    # (where offered): a narrow class with few candidates, which the nearest measured shapes seldom
+    # speak for.
+    near_whole: Callable[[Problem], bool] = lambda p: False

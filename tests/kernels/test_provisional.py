@@ -11,6 +11,7 @@ from fusedserve.kernels.provisional import Entry, closest_config, provisional_ch
 from fusedserve.kernels.rules import Problem, tuning_rows
 
 H200 = "NVIDIA H200"
+H100 = "NVIDIA H100 80GB HBM3"
 
 
 def hopper(M, N=4096, K=4096, dtype=torch.bfloat16):
@@ -271,14 +272,29 @@ def test_a_near_search_at_a_few_rows_times_every_config_of_the_provisional_famil
     assert all(pair in pairs for pair in family) == whole_family, (kernel, len(family))
 
 
-def test_a_near_search_times_every_split_k_candidate_where_split_k_is_offered():
-    # Few tiles over a long K: the table's nearest shapes never ran split-K on Hopper's 16-bit rows.
-    problem = hopper(683, N=1024, K=4520)
+def _split_k_search(problem, entries):
+    """Every split-K candidate for ``problem``, and what a near search over ``entries`` times."""
     families = registry.offered(problem)
     split = [pair for pair in choosing.every_candidate(families, problem) if pair[0] == "triton_split_k"]
     assert split, "split-K is offered here"
-    pairs, mark = choosing.search_list(problem, families, provisional.table(H200, "3.6.0"))
-    assert mark == choosing.NEAR and all(pair in pairs for pair in split)
-    wide = hopper(4096)
+    pairs, mark = choosing.search_list(problem, families, entries)
+    assert mark == choosing.NEAR
+    return split, pairs
+
+
+def test_a_near_search_times_every_split_k_candidate_off_hoppers_16_bit_rows():
+    # fp32 few tiles over a long K: split-K wins there, whatever the nearest shapes ran.
+    split, pairs = _split_k_search(hopper(683, N=1024, K=4520, dtype=torch.float32), provisional.table(H100, "3.6.0"))
+    assert all(pair in pairs for pair in split)
+    wide = hopper(4096, dtype=torch.float32)
     assert not any(k == "triton_split_k" for k, _ in choosing.search_list(wide, registry.offered(wide),
-                                                                           provisional.table(H200, "3.6.0"))[0])
+                                                                           provisional.table(H100, "3.6.0"))[0])
+
+
+def test_on_hoppers_16_bit_rows_a_near_search_times_split_k_only_where_it_won_nearby():
+    problem, entries = hopper(683, N=1024, K=4520), provisional.table(H100, "3.6.0")
+    split, pairs = _split_k_search(problem, entries)
+    assert not any(pair in pairs for pair in split)
+    won = Entry("bfloat16", 683, 1024, 4520, False, "triton_split_k", split[1][1])
+    _, pairs = _split_k_search(problem, (won, *entries))
+    assert split[1] in pairs and split[0] not in pairs
