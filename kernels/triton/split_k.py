@@ -184,10 +184,9 @@ def _offered(p):
 
 
 def _near_whole(p):
-    """A near search times every config but on Hopper's 16-bit TMA problems: on an H100 it won none
-    of the 38 full-search points where it was offered there (cuBLAS 34, gluon_small_m 4;
-    kernels.jsonl:43-52), and its 12 configs a layer were most of a bucket's tuning; there it is
-    timed where it won at the nearest measured shapes, as other families are."""
+    """A near search times every config but on Hopper's 16-bit TMA problems, where full searches on an
+    H100 never chose it (docs/kernels.md, "Split-K left out of Hopper's 16-bit near searches"): there
+    it is timed where it won at the nearest measured shapes, as other families are."""
     return not p.hopper_tma
 
 
