@@ -149,6 +149,8 @@ def main(argv=None):
     parser.add_argument("--search", choices=choosing.SEARCHES, default=choosing.SEARCHES[0],
                         help="how widely tuning searches (kernels.choosing.SEARCH_ENV; default a server's)")
     args = parser.parse_args(argv)
+    if args.profile and not args.ahead:
+        parser.error("--profile profiles the background tuner's way: pass --ahead too")
     os.environ[choosing.SEARCH_ENV] = args.search  # here and in the compile processes
     if not torch.cuda.is_available():
         raise SystemExit("bench/tuning.py needs a CUDA GPU")
@@ -156,7 +158,7 @@ def main(argv=None):
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     run = runs.Run("tuning", args.out, gpu=torch.cuda.get_device_name(), note=args.note, torch=torch.__version__,
                    mode="ahead" if args.ahead else "in_process", search=args.search,
-                   profiled=args.profile and args.ahead, max_batch_size=args.max_batch_size,
+                   profiled=args.profile, max_batch_size=args.max_batch_size,
                    triton_cache="fresh" if "triton-cache-" in os.environ["TRITON_CACHE_DIR"] else "given")
     rows = []
     if args.ahead:  # as an engine starts it, before it loads its models
@@ -165,11 +167,9 @@ def main(argv=None):
         precompile.start_compile_server()
     for sizes, dtype in args.models:
         log(f"model {sizes} {dtype}")
-        profiler = cProfile.Profile() if args.profile and args.ahead else None
-        if args.ahead:
-            rows += measure_ahead(sizes, dtype, args.max_batch_size, log, profiler)
-        else:
-            rows += measure(sizes, dtype, args.max_batch_size, log)
+        profiler = cProfile.Profile() if args.profile else None
+        rows += (measure_ahead(sizes, dtype, args.max_batch_size, log, profiler) if args.ahead
+                 else measure(sizes, dtype, args.max_batch_size, log))
         if profiler is not None:
             save_profile(profiler, args.out / f"tuning_profile_{'-'.join(map(str, sizes))}_{dtype}.pstats", log)
         mine = [r for r in rows if r["model"] == "-".join(map(str, sizes)) and r["dtype"] == dtype]

@@ -28,3 +28,9 @@ def test_only_the_timed_calls_are_profiled_and_the_dump_names_them(tmp_path, mon
     names = {function for _, _, function in pstats.Stats(str(tmp_path / "p.pstats")).stats}
     assert "profiled_work" in names and "unprofiled_work" not in names
     assert len(logged) == 2 and "tottime" in logged[0] and "profiled_work" in logged[1]
+
+
+def test_profile_without_ahead_is_refused_with_a_reason(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tuning.main(["--profile"])
+    assert exit_.value.code == 2 and "pass --ahead too" in capsys.readouterr().err
